@@ -1,0 +1,241 @@
+"""One pydantic schema for the whole pipeline.
+
+A YAML file validated here drives every stage. Unknown keys are rejected with their dotted path,
+``section.field=value`` overrides apply on top, and the resolved config is written next to every
+output (``save_resolved``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eagle3_ray.errors import ConfigError
+
+RESOLVED_CONFIG_NAME = "config.resolved.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SGLangConfig(_Section):
+    mem_fraction_static: float | None = Field(None, description="SGLang KV-cache memory fraction.")
+    nnodes: int = Field(1, ge=1, description="Nodes one tensor-parallel engine spans.")
+    dist_init_addr: str | None = Field(None, description="host:port shared by the nodes of one engine.")
+    extra_engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More sglang.Engine kwargs; settings that break capture are refused.",
+    )
+
+
+class TargetConfig(_Section):
+    model: str = Field(
+        "smollm2",
+        description="'smollm2' (embedded SmolLM2-135M-Instruct), an HF model dir, a .gguf file, "
+        "or 'random:<hf config.json or dir>' for seeded random weights.",
+    )
+    backend: Literal["hf", "sglang"] = Field("hf", description="Capture/generation engine.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = bfloat16 on GPU, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the HF engine runs.")
+    aux_layers: list[int] | None = Field(
+        None,
+        description="HF hidden_states indices (k = residual after k layers). Default [2, L//2, L-3].",
+    )
+    seed: int = Field(0, description="Seed for random:<config> targets.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size (SGLang backend).")
+    cache_dir: str | None = Field(
+        None, description="Where converted targets (GGUF -> safetensors) are cached. "
+        "Default: $EAGLE3_RAY_CACHE or ~/.cache/eagle3_ray."
+    )
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three_sorted_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError(f"needs exactly 3 layer ids (EAGLE-3 fuses three), got {v}")
+        if any(k < 1 for k in v):
+            raise ValueError(f"ids are HF hidden_states indices >= 1 (0 is the embeddings), got {v}")
+        if sorted(set(v)) != v:
+            raise ValueError(f"ids must be strictly increasing, got {v}")
+        return v
+
+
+class DataConfig(_Section):
+    path: str | None = Field(
+        None, description="Conversations or prompts (JSONL/JSON). Default: the shipped demo prompts."
+    )
+    format: Literal["auto", "sharegpt", "openai", "prompts"] = Field(
+        "auto", description="Input record form; auto detects per record."
+    )
+    max_length: int = Field(2048, ge=8, description="Max tokens per sample.")
+    truncate: bool = Field(False, description="Truncate over-long samples instead of rejecting them.")
+    system_prompt: str | None = Field(None, description="System message prepended when a sample has none.")
+    max_samples: int | None = Field(None, ge=1, description="Use only the first N samples.")
+
+
+class GenerateConfig(_Section):
+    max_new_tokens: int = Field(256, ge=1, description="Longest self-distilled answer.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1, description="Prompts per generate() call.")
+    seed: int = 0
+
+
+class ExtractConfig(_Section):
+    batch_tokens: int = Field(8192, ge=1, description="Token budget of one engine forward.")
+    num_actors: int = Field(1, ge=1, description="Engine actors (min size of the pool).")
+    max_actors: int | None = Field(None, ge=1, description="Max pool size (elastic); default = num_actors.")
+    num_gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
+    shard_max_bytes: int = Field(256 * 2**20, ge=1, description="Target size of one feature shard.")
+    disk_margin: float = Field(1.1, ge=1.0, description="Preflight needs projected bytes x margin free.")
+    on_corrupt_shard: Literal["skip", "abort"] = Field("abort", description="Reader policy.")
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size.")
+
+
+class DrafterShape(_Section):
+    hidden_size: int | None = Field(None, description="Default: the target's.")
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+
+
+class TrainConfig(_Section):
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
+    lr: float = Field(1e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(0.5, gt=0.0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after N optimizer steps.")
+    batch_tokens: int = Field(4096, ge=1, description="Tokens per micro-batch per worker (packing budget).")
+    grad_accum: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1, description="Ray Train workers.")
+    use_gpu: bool | None = Field(None, description="Default: True when the cluster has GPUs.")
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
+    max_failures: int = Field(3, ge=0, description="Ray Train FailureConfig.max_failures.")
+    init_from: str | None = Field(None, description="Exported drafter dir to finetune (default: from scratch).")
+    seed: int = 0
+    drafter: DrafterShape = Field(default_factory=DrafterShape)
+
+
+class BenchConfig(_Section):
+    prompts: str | None = Field(None, description="MT-bench-style JSONL. Default: shipped demo eval prompts.")
+    max_prompts: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    modes: list[Literal["chain", "tree"]] = Field(default_factory=lambda: ["chain", "tree"])
+    num_steps: int = Field(3, ge=1, description="Chain depth K.")
+    topk: int = Field(4, ge=1, description="Tree branching.")
+    depth: int = Field(5, ge=1, description="Tree depth.")
+    total_tokens: int = Field(16, ge=1, description="Tree draft tokens verified per step.")
+    prompt_lookup: bool = Field(True, description="Also run prompt-lookup decoding as a peer.")
+    num_gpus: float = Field(0.0, ge=0.0)
+
+
+class RayConfig(_Section):
+    address: str | None = Field(None, description="Ray address; None = connect or start locally.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs for a locally started Ray.")
+    storage_path: str | None = Field(None, description="Ray Train storage (default: <out>/ray_train).")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="runtime_env env vars.")
+
+
+class PipelineConfig(_Section):
+    name: str = "eagle3"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key; remove it or fix its spelling")
+        else:
+            lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
+    return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def _parse_value(raw: str) -> Any:
+    """Override values are YAML scalars/lists: `3`, `true`, `null`, `[2, 8, 12]`, `text`."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config (None = all defaults), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass -c with a YAML file (see configs/)")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def config_to_dict(cfg: PipelineConfig) -> dict[str, Any]:
+    return json.loads(cfg.model_dump_json())
+
+
+def save_resolved(cfg: PipelineConfig, out_dir: str | Path, name: str = RESOLVED_CONFIG_NAME) -> Path:
+    """Write the resolved config next to a stage's outputs (atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / name
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp.replace(target)
+    return target

@@ -1,0 +1,74 @@
+"""The target-engine interface every capture/generation backend implements. No Ray in here.
+
+Aux layer convention (DESIGN.md): ids are HF ``hidden_states`` indices, k = the residual stream
+after k decoder layers (0 = embeddings). Default ``[2, L//2, L-3]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from eagle3_ray.errors import ConfigError
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layers(aux_layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """Config ids (or the default) checked against the target depth."""
+    ids = list(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
+    bad = [k for k in ids if not 1 <= k <= num_layers]
+    if bad or len(ids) != 3 or sorted(set(ids)) != ids:
+        raise ConfigError(
+            f"target.aux_layers={ids} is invalid for a target with {num_layers} layers: give 3 strictly "
+            f"increasing HF hidden_states indices in [1, {num_layers}] (default "
+            f"{default_aux_layers(num_layers)})"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_type: str  # HF config model_type, e.g. "llama", "deepseek_v3"
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layers: list[int]  # resolved, HF hidden_states indices
+    dtype: str  # dtype of captured features as computed ("bfloat16", "float32")
+    fingerprint: str  # identifies the target weights+config (for caches and mismatch checks)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Capture:
+    """One sample's features. Rows are token positions; T equals len(input_ids)."""
+
+    aux_hidden: torch.Tensor  # [T, 3H], the three aux states concatenated in id order
+    last_hidden: torch.Tensor  # [T, H], post-final-norm (the lm_head input)
+
+
+@runtime_checkable
+class TargetEngine(Protocol):
+    info: EngineInfo
+
+    def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
+        """Full-sequence forward of each token-id sequence; one Capture per input, same order."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        """New token ids per prompt (excluding the prompt, stopping at and including EOS)."""
+        ...
+
+    def close(self) -> None:
+        ...

@@ -1,0 +1,63 @@
+"""Shared fixtures: one local Ray per test session, the real SmolLM2 (converted once), tiny targets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance shared by every test that needs one (a start costs tens of seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded SmolLM2-135M-Instruct, converted from GGUF to safetensors once and cached."""
+    from eagle3_ray.engines.targets import smollm2_dir as _smollm2_dir
+
+    return _smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(model, tokenizer) of the real SmolLM2, fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config():
+    """A seeded random tiny Llama config (SmolLM2's family) for shape and speed tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
