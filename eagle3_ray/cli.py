@@ -1,0 +1,128 @@
+"""`eagle3-ray` command line: one subcommand per stage, plus `run` for the whole pipeline.
+
+Every subcommand takes `-c CONFIG` and trailing `section.field=value` overrides, e.g.
+
+    eagle3-ray extract -c configs/demo-smollm2.yaml --data runs/demo/prepare --out runs/demo/features \\
+        extract.batch_tokens=4096 target.aux_layers=[2,15,27]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagle3_ray.errors import Eagle3Error
+
+DEFAULT_CONFIG = "configs/demo-smollm2.yaml"
+
+
+def _common(p: argparse.ArgumentParser, data: bool = True, out_required: bool = True) -> None:
+    p.add_argument("-c", "--config", help="pipeline YAML (see configs/); default: all schema defaults")
+    if data:
+        p.add_argument("--data", help="input file or directory (overrides data.path)")
+    p.add_argument("--out", required=out_required, help="output directory")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3-ray", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="read conversations, quarantine bad ones, tokenize with loss masks")
+    _common(p)
+    p = sub.add_parser("generate", help="self-distillation: the target writes the assistant turns")
+    _common(p)
+    p = sub.add_parser("extract", help="capture target hidden states into the feature store")
+    _common(p)
+    p = sub.add_parser("vocab", help="draft vocabulary map (d2t/t2d) from loss-masked token counts")
+    _common(p, data=False)
+    p.add_argument("--features", required=True, help="feature store directory")
+    p = sub.add_parser("train", help="train the drafter on Ray Train + DeepSpeed")
+    _common(p, data=False)
+    p.add_argument("--features", required=True, help="feature store directory")
+    p.add_argument("--vocab", help="vocab map file or dir (default: <features>/../vocab)")
+    p = sub.add_parser("export", help="write the SGLang/vLLM drafter directory from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="training checkpoint (or training output) dir")
+    p.add_argument("--out", required=True, help="export directory")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
+    p = sub.add_parser("bench", help="benchmark speculative decoding with a trained drafter")
+    _common(p, data=False)
+    p.add_argument("--drafter", required=True, help="exported drafter directory")
+    p.add_argument("--prompts", help="MT-bench-style JSONL (overrides bench.prompts)")
+    p = sub.add_parser("run", help="the whole pipeline, resumable stage by stage")
+    _common(p, out_required=False)
+    return parser
+
+
+def _load(args):
+    from eagle3_ray.config import load_config
+
+    overrides = list(args.overrides or [])
+    return load_config(args.config, overrides)
+
+
+def _ray(cfg):
+    from eagle3_ray.ray_session import init_ray
+
+    return init_ray(cfg.ray)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except Eagle3Error as e:
+        print(f"eagle3-ray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    cmd = args.command
+    if cmd == "export":
+        from eagle3_ray.train.checkpoint import export_from_training
+
+        path = export_from_training(args.checkpoint, args.out, engine=args.engine)
+        print(f"[export] drafter for {args.engine} -> {path}")
+        return 0
+    cfg = _load(args)
+    if cmd == "run":
+        from eagle3_ray.pipeline import run_pipeline
+
+        _ray(cfg)
+        run_pipeline(cfg, data=args.data, out=args.out or f"runs/{cfg.name}")
+        return 0
+    _ray(cfg)
+    if cmd == "prepare":
+        from eagle3_ray.extract.pipeline import run_prepare
+
+        run_prepare(cfg, args.data, args.out)
+    elif cmd == "generate":
+        from eagle3_ray.extract.generate_stage import run_generate
+
+        run_generate(cfg, args.data, args.out)
+    elif cmd == "extract":
+        from eagle3_ray.extract.pipeline import prepared_path, run_extract, run_prepare
+
+        data = args.data or cfg.data.path
+        if data is None or prepared_path(data) is None:
+            data = run_prepare(cfg, data, Path(args.out) / "_prepared").prepared
+        run_extract(cfg, data, args.out)
+    elif cmd == "vocab":
+        from eagle3_ray.extract.vocab_stage import run_vocab
+
+        run_vocab(cfg, args.features, args.out)
+    elif cmd == "train":
+        from eagle3_ray.train.trainer import run_training
+
+        vocab = args.vocab or str(Path(args.features).parent / "vocab")
+        run_training(cfg, features=args.features, vocab=vocab, out=args.out)
+    elif cmd == "bench":
+        from eagle3_ray.bench.runner import run_bench
+
+        run_bench(cfg, drafter=args.drafter, prompts=args.prompts, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

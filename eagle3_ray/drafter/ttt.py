@@ -1,0 +1,140 @@
+"""Training-time test (TTT): the EAGLE-3 loss over ``ttt_steps`` unrolled drafting steps.
+
+At step 0, position t pairs h_t = fc(aux_hidden_t) with the embedding of x_{t+1} and predicts
+x_{t+2}; the target is the target model's distribution at t+1, restricted to the draft vocab, in
+fp32. Step i shifts tokens/targets/masks one more position and feeds step i-1's output hidden
+state, as the drafter does when it drafts i tokens ahead at serving time. Step i's token sits at
+position ``position_ids + i``, the position SGLang gives the i-th draft token.
+
+Packed batches: ``seq_ids`` says which sample each token belongs to (-1 = padding); attention and
+targets never cross samples. Attention of step i is implemented with the drafter's own KV cache
+(S grows by T per step) and the mask of ``ttt_attention_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+
+BATCH_KEYS = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "seq_ids")
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, with grad
+    # loss, tau, tokens, and per step i: loss_i, acc_i, tokens_i (valid positions). Python floats.
+    metrics: dict[str, float]
+
+
+def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, T] sample ids -> bool [B, 1, T, (step + 1) * T] mask of TTT step ``step``.
+
+    Columns are the cache after step ``step``: block 0 holds step 0's keys (query t sees keys
+    s <= t of its own sample), block j >= 1 holds step j's keys, of which query t sees only
+    its own position (the diagonal). Padding (-1) attends to padding, never to a sample.
+    """
+    b, t = seq_ids.shape
+    pos = torch.arange(t, device=seq_ids.device)
+    causal = pos[:, None] >= pos[None, :]  # [T, T]
+    prefix = causal & (seq_ids[:, :, None] == seq_ids[:, None, :])  # [B, T, T]
+    diag = torch.eye(t, dtype=torch.bool, device=seq_ids.device).expand(b, t, t)
+    return torch.cat([prefix] + [diag] * step, dim=-1)[:, None]
+
+
+def _shift(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """out[:, t] = x[:, t + n]; positions past the end get ``fill``."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def _same_sample(seq_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] bool: position t and t + n exist and belong to the same (non-padding) sample."""
+    return (_shift(seq_ids, n, -1) == seq_ids) & (seq_ids >= 0)
+
+
+@torch.no_grad()
+def target_distribution(
+    last_hidden: torch.Tensor,  # [B, T, Ht]
+    lm_head_weight: torch.Tensor,  # [V, Ht], frozen target lm_head
+    d2t: torch.Tensor,  # [Vd] int64
+    t2d: torch.Tensor,  # [V] bool
+    vocab_chunk: int = 16384,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p [B, T, Vd] fp32 softmax over draft-vocab target logits, in_draft [B, T] bool).
+
+    ``in_draft``: the target's full-vocab argmax is a draft token. The full logits are never
+    held at once: the argmax runs over row chunks of the lm_head (V x T fp32 would not fit for
+    163K-token vocabularies).
+    """
+    h = last_hidden.float()  # [B, T, Ht]
+    draft_rows = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] target ids
+    p = torch.softmax(h @ lm_head_weight[draft_rows].float().T, dim=-1)  # [B, T, Vd]
+    best = torch.full(h.shape[:-1], float("-inf"), device=h.device)
+    best_id = torch.zeros(h.shape[:-1], dtype=torch.long, device=h.device)
+    for start in range(0, lm_head_weight.shape[0], vocab_chunk):
+        chunk = h @ lm_head_weight[start : start + vocab_chunk].float().T  # [B, T, C]
+        value, idx = chunk.max(dim=-1)
+        better = value > best  # strict: ties keep the lower id, like argmax
+        best = torch.where(better, value, best)
+        best_id = torch.where(better, idx + start, best_id)
+    return p, t2d[best_id]
+
+
+def ttt_forward(
+    drafter: Eagle3Drafter,
+    batch: dict[str, torch.Tensor],
+    target_lm_head_weight: torch.Tensor,
+    ttt_steps: int = 7,
+    loss_decay: float = 0.8,
+) -> TTTOutput:
+    """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
+
+    ``batch``: ``input_ids`` [B, T] long, ``aux_hidden`` [B, T, 3Ht], ``last_hidden`` [B, T, Ht],
+    ``loss_mask`` [B, T], ``position_ids`` [B, T] (restart at 0 per packed sample), ``seq_ids``
+    [B, T] (-1 = padding), all on the drafter's device.
+    Loss = sum_i loss_decay**i * CE_i, CE_i the soft cross-entropy averaged over step i's valid
+    positions (loss_mask x target argmax in the draft vocab x target inside the sample).
+    """
+    assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
+    ids, seq, pos = batch["input_ids"], batch["seq_ids"], batch["position_ids"]
+    loss_mask = batch["loss_mask"].bool()
+    target_p, in_draft = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
+    target_ids = target_p.argmax(dim=-1)  # [B, T] draft ids
+
+    hidden = drafter.fuse(batch["aux_hidden"])  # [B, T, H]
+    cache = DrafterKVCache()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = []  # per step: (ce_i, acc_i, count_i), detached
+    for i in range(ttt_steps):
+        ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
+        valid = _shift(loss_mask, i, False) & _shift(in_draft, ahead, False) & _same_sample(seq, ahead)  # [B, T]
+        hidden = drafter(
+            _shift(ids, ahead), hidden, pos + i, attention_mask=ttt_attention_mask(seq, i), cache=cache
+        )
+        logp = drafter.logits(hidden).float().log_softmax(dim=-1)  # [B, T, Vd]
+        ce = -(_shift(target_p, ahead) * logp).sum(dim=-1)  # [B, T]
+        w = valid.float()
+        count = w.sum()
+        ce_i = (ce * w).sum() / count.clamp(min=1)
+        total = total + loss_decay**i * ce_i
+        hits = ((logp.argmax(dim=-1) == _shift(target_ids, ahead)) & valid).float().sum()
+        stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count]))
+    return TTTOutput(loss=total, metrics=_metrics(torch.stack(stats).tolist(), loss_decay))
+
+
+def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:
+    """Metrics from one host sync; tau = 1 + sum_k prod_{j<=k} acc_j (simulated acceptance)."""
+    out = {"loss": sum(loss_decay**i * ce for i, (ce, _, _) in enumerate(stats))}
+    tau, chain = 1.0, 1.0
+    for i, (ce, acc, count) in enumerate(stats):
+        out[f"loss_{i}"], out[f"acc_{i}"], out[f"tokens_{i}"] = ce, acc, count
+        chain *= acc
+        tau += chain
+    out["tau"] = tau
+    out["tokens"] = stats[0][2]
+    return out

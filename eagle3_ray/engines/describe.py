@@ -1,0 +1,78 @@
+"""What a target is, without loading its weights: shapes, aux layers, tokenizer, identity.
+
+The driver plans stages (store metadata, preflight, drafter shape) from this; loading a 1T-parameter
+target on the driver only to read its hidden size is not an option.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.engines.base import EngineInfo, resolve_aux_layers
+from eagle3_ray.errors import TargetLoadError
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
+
+
+def target_hf_config(cfg: TargetConfig):
+    """The transformers config of the target (text config for multimodal wrappers)."""
+    from transformers import AutoConfig
+
+    from eagle3_ray.engines.targets import resolve_target
+
+    resolved = resolve_target(cfg.model, cfg.cache_dir)
+    try:
+        if resolved.model_path is not None:
+            hf = AutoConfig.from_pretrained(resolved.model_path, trust_remote_code=False)
+        else:
+            hf = AutoConfig.for_model(**json.loads(resolved.config_source.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetLoadError(f"target.model={cfg.model!r}: cannot read its config ({e})") from e
+    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+
+
+def tokenizer_path_for(cfg: TargetConfig) -> Path:
+    from eagle3_ray.engines.targets import resolve_target
+
+    return resolve_target(cfg.model, cfg.cache_dir).tokenizer_path
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path_for(cfg))
+
+
+def _weights_identity(cfg: TargetConfig) -> dict[str, Any]:
+    from eagle3_ray.engines.targets import resolve_target
+
+    resolved = resolve_target(cfg.model, cfg.cache_dir)
+    if resolved.kind == "random":
+        return {"random_seed": cfg.seed}
+    if resolved.gguf_file is not None:
+        st = resolved.gguf_file.stat()
+        return {"gguf": resolved.gguf_file.name, "bytes": st.st_size}
+    files = sorted(p for p in Path(resolved.model_path).iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    return {"weights": [(p.name, p.stat().st_size) for p in files]}
+
+
+def describe_target(cfg: TargetConfig) -> EngineInfo:
+    """EngineInfo from the config and weight-file identity only (no weights loaded)."""
+    hf = target_hf_config(cfg)
+    num_layers = int(hf.num_hidden_layers)
+    config = {k: v for k, v in hf.to_dict().items() if k not in _VOLATILE}
+    ident = json.dumps({"config": config, "weights": _weights_identity(cfg)}, sort_keys=True, default=str)
+    return EngineInfo(
+        model_type=str(hf.model_type),
+        num_layers=num_layers,
+        hidden_size=int(hf.hidden_size),
+        vocab_size=int(hf.vocab_size),
+        aux_layers=resolve_aux_layers(cfg.aux_layers, num_layers),
+        dtype="bfloat16",
+        fingerprint=hashlib.sha256(ident.encode()).hexdigest()[:16],
+    )

@@ -1,0 +1,82 @@
+"""The two target tensors training needs: the input embedding and the lm_head, saved once.
+
+Training workers bind the frozen embedding into the drafter and compute target logits from the
+frozen lm_head; they never load the target itself. From an HF directory with safetensors the two
+tensors are read by name (a 1T-parameter target is never materialised); random targets are built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.errors import TargetLoadError
+
+HEADS_FILE = "target_heads.safetensors"
+EMBED, LM_HEAD = "embed_tokens", "lm_head"
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {k: model_dir / v for k, v in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _pick(names: dict[str, Path], suffix: str) -> str | None:
+    hits = sorted((k for k in names if k.endswith(suffix)), key=len)
+    return hits[0] if hits else None
+
+
+def _read(names: dict[str, Path], key: str) -> torch.Tensor:
+    with safe_open(str(names[key]), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _from_files(model_dir: Path) -> dict[str, torch.Tensor] | None:
+    names = _weight_files(model_dir)
+    embed_key = _pick(names, "embed_tokens.weight")
+    if embed_key is None:
+        return None
+    embed = _read(names, embed_key)
+    head_key = _pick(names, "lm_head.weight")
+    head = _read(names, head_key) if head_key else embed  # tied word embeddings
+    return {EMBED: embed, LM_HEAD: head}
+
+
+def save_target_heads(cfg: TargetConfig, out_dir: str | Path) -> Path:
+    """Write `target_heads.safetensors` (embed_tokens [V, H], lm_head [V, H]) into `out_dir`."""
+    from eagle3_ray.engines.targets import load_target, resolve_target
+
+    path = Path(out_dir) / HEADS_FILE
+    if path.is_file():
+        return path
+    resolved = resolve_target(cfg.model, cfg.cache_dir)
+    heads = _from_files(Path(resolved.model_path)) if resolved.model_path is not None else None
+    if heads is None:
+        model = load_target(cfg.model_copy(update={"device": "cpu"}), device="cpu").model
+        out_emb = model.get_output_embeddings()
+        if out_emb is None:
+            raise TargetLoadError(f"target.model={cfg.model!r} has no lm_head; EAGLE-3 needs a causal LM")
+        heads = {EMBED: model.get_input_embeddings().weight, LM_HEAD: out_emb.weight}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().clone() for k, v in heads.items()}, str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def load_target_heads(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    t = load_file(str(path))
+    return t[EMBED], t[LM_HEAD]

@@ -1,0 +1,178 @@
+"""Hugging Face transformers target engine: hidden-state capture and batched generation. No Ray in here.
+
+Capture runs the base model (``model.model``), never the CausalLM wrapper, so no [B, T, vocab]
+logits are built, and asks transformers for only the three aux ``hidden_states`` it needs.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Sequence
+
+import torch
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.engines.base import Capture, EngineInfo, resolve_aux_layers
+from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerprint
+from eagle3_ray.errors import EngineError
+
+
+def plan_groups(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices of sequences grouped into forwards, longest first.
+
+    A group is padded to its first (longest) member, so its cost is ``len(group) * lengths[group[0]]``,
+    kept <= ``batch_tokens``; a sequence longer than the budget runs alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep input order
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Tokens up to and including the first EOS; generate pads finished rows after it."""
+    for pos, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: pos + 1]
+    return tokens
+
+
+class HFEngine:
+    """``TargetEngine`` on a transformers causal LM (Llama, Qwen2, DeepSeek-V3, ... with ``model.model``)."""
+
+    def __init__(self, target_cfg: TargetConfig, batch_tokens: int = 8192, device: str | torch.device | None = None):
+        if batch_tokens < 1:
+            raise EngineError(f"batch_tokens={batch_tokens}: the forward token budget must be >= 1")
+        self.batch_tokens = batch_tokens
+        self.target: LoadedTarget = load_target(target_cfg, device)
+        model = self.target.model
+        if not isinstance(getattr(model, "model", None), torch.nn.Module):
+            raise EngineError(
+                f"target.model={target_cfg.model!r} ({type(model).__name__}) has no base model at `.model`; "
+                "the HF engine supports decoder-only *ForCausalLM models (Llama, Qwen2, DeepSeek-V3, ...)"
+            )
+        text_cfg = model.config.get_text_config()
+        num_layers = text_cfg.num_hidden_layers
+        self.info = EngineInfo(
+            model_type=model.config.model_type,
+            num_layers=num_layers,
+            hidden_size=text_cfg.hidden_size,
+            vocab_size=model.get_input_embeddings().num_embeddings,
+            aux_layers=resolve_aux_layers(target_cfg.aux_layers, num_layers),
+            dtype=str(self.target.dtype).removeprefix("torch."),
+            fingerprint=target_fingerprint(model),
+            extra={"backend": "hf", "spec": target_cfg.model, "kind": self.target.resolved.kind,
+                   "device": str(self.target.device)},
+        )
+        tok = self.target.tokenizer
+        gen_eos = model.generation_config.eos_token_id
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        self.eos_ids: set[int] = {tok.eos_token_id, *gen_eos} - {None}
+        if not self.eos_ids:
+            raise EngineError(f"target.model={target_cfg.model!r} defines no EOS token; generation could not stop")
+        self.pad_id: int = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def _as_ids(self, seq: Sequence[int], what: str) -> torch.Tensor:
+        ids = torch.as_tensor(seq, dtype=torch.long)  # [T]
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise EngineError(f"{what}: expected a non-empty 1-D token id sequence, got shape {tuple(ids.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.info.vocab_size:
+            raise EngineError(
+                f"{what}: token ids must lie in [0, {self.info.vocab_size}) for this target, got "
+                f"[{int(ids.min())}, {int(ids.max())}]; tokenize with the target's tokenizer"
+            )
+        return ids
+
+    @torch.inference_mode()
+    def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
+        seqs = [self._as_ids(s, f"capture sequence {i}") for i, s in enumerate(batch)]
+        out: list[Capture | None] = [None] * len(seqs)
+        for group in plan_groups([len(s) for s in seqs], self.batch_tokens):
+            for i, cap in zip(group, self._forward([seqs[i] for i in group])):
+                out[i] = cap
+        return out
+
+    def _forward(self, seqs: list[torch.Tensor]) -> list[Capture]:
+        """One right-padded forward; right padding keeps every row's positions at 0..T-1."""
+        lengths = [len(s) for s in seqs]
+        input_ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)  # [B, Tmax]
+        mask = torch.zeros_like(input_ids)  # [B, Tmax]
+        for row, s in enumerate(seqs):
+            input_ids[row, : len(s)] = s
+            mask[row, : len(s)] = 1
+        dev = self.target.device
+        out = self.target.model.model(
+            input_ids=input_ids.to(dev),
+            attention_mask=mask.to(dev),
+            output_hidden_states=self.info.aux_layers,  # only these states are kept
+            use_cache=False,
+        )
+        aux = torch.cat([out.hidden_states[k] for k in self.info.aux_layers], dim=-1)  # [B, Tmax, 3H]
+        last = out.last_hidden_state  # [B, Tmax, H], post final norm = lm_head input
+        # copy=True so each Capture owns its rows instead of pinning the whole padded batch.
+        return [
+            Capture(aux[row, :n].to("cpu", copy=True), last[row, :n].to("cpu", copy=True))
+            for row, n in enumerate(lengths)
+        ]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise EngineError(
+                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
+                "max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
+            )
+        seqs = [self._as_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        if not seqs:
+            return []
+        width = max(len(s) for s in seqs)
+        # Left padding: every row's next token is then produced at the same column.
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # [B, Tmax]
+        mask = torch.zeros_like(input_ids)  # [B, Tmax]
+        for row, s in enumerate(seqs):
+            input_ids[row, width - len(s):] = s
+            mask[row, width - len(s):] = 1
+        # Knobs left None are filled from the checkpoint's generation_config (top_k=50,
+        # repetition_penalty, ...), which would skew self-distilled answers: set them all.
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {}
+        gen_cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            repetition_penalty=1.0,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            **sampling,
+        )
+        dev = self.target.device
+        rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+        # A private RNG stream: the same seed gives the same samples, and callers' RNG state is untouched.
+        with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
+            torch.manual_seed(seed)
+            out = self.target.model.generate(
+                input_ids=input_ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_cfg
+            )  # [B, Tmax + new]
+        return [cut_at_eos(row, self.eos_ids) for row in out[:, width:].tolist()]
+
+    def close(self) -> None:
+        on_cuda = self.target.device.type == "cuda"
+        del self.target
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()

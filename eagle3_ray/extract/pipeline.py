@@ -1,0 +1,292 @@
+"""Ray Data stages: prepare (read -> tokenize), extract (engine actor pool -> validated shards).
+
+    prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> prepared.parquet
+    extract:  read_parquet -> skip completed ids -> preflight -> map_batches(CaptureUDF, ActorPoolStrategy)
+              -> write_datasink(FeatureStore: validate, atomic shards, rejects)
+
+Every stage writes its resolved config and a summary.json next to its outputs and resumes where it
+stopped: prepare is atomic (all or nothing), extract skips samples already committed to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.errors import DataError, StoreError
+
+PREPARED_FILE = "prepared.parquet"
+REJECTS_FILE = "rejects.jsonl"
+SUMMARY_FILE = "summary.json"
+TOKENIZE_BATCH = 64
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+
+
+def append_rejects(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+@dataclass
+class PrepareSummary:
+    samples: int
+    tokens: int
+    loss_tokens: int
+    rejected: int
+    max_tokens: int
+    mean_tokens: float
+    seconds: float
+    prepared: str
+
+
+def prepared_path(data: str | Path) -> Path | None:
+    """A prepared dataset: a prepare output dir or its parquet file; None if `data` is raw input."""
+    p = Path(data)
+    if p.is_dir() and (p / PREPARED_FILE).is_file():
+        return p / PREPARED_FILE
+    if p.is_file() and p.suffix == ".parquet":
+        return p
+    return None
+
+
+def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> PrepareSummary:
+    """Read conversations, quarantine bad records, tokenize with loss masks on Ray Data."""
+    import ray
+
+    from eagle3_ray.data.sources import Reject, read_samples, resolve_data_path
+    from eagle3_ray.engines.describe import tokenizer_path_for
+    from eagle3_ray.extract.udfs import TokenizeUDF
+
+    t0 = time.monotonic()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, out)
+    source = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
+    rejects_path = out / REJECTS_FILE
+    rejects_path.unlink(missing_ok=True)
+
+    rows, rejects = [], []
+    for item in read_samples(source, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
+        if isinstance(item, Reject):
+            rejects.append({**asdict(item), "stage": "prepare"})
+            continue
+        rows.append(
+            {"sample_id": item.sample_id, "messages": json.dumps(item.messages), "source": item.source}
+        )
+    if not rows:
+        append_rejects(rejects_path, rejects)
+        raise DataError(
+            f"no usable samples in {source} ({len(rejects)} rejected, reasons in {rejects_path}); "
+            "pass --data with conversations in ShareGPT or OpenAI form"
+        )
+
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // TOKENIZE_BATCH))
+    ds = ds.map_batches(
+        TokenizeUDF,
+        fn_constructor_kwargs=dict(
+            tokenizer_path=str(tokenizer_path_for(cfg.target)),
+            max_length=cfg.data.max_length,
+            truncate=cfg.data.truncate,
+        ),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
+        batch_size=TOKENIZE_BATCH,
+        batch_format="numpy",
+    )
+    ids, masks, sids, sources = [], [], [], []
+    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+        for i, reason in enumerate(batch["reject"]):
+            if reason:
+                rejects.append(
+                    {"sample_id": str(batch["sample_id"][i]), "source": str(batch["source"][i]),
+                     "reason": str(reason), "stage": "prepare"}
+                )
+                continue
+            sids.append(str(batch["sample_id"][i]))
+            sources.append(str(batch["source"][i]))
+            ids.append(np.asarray(batch["input_ids"][i], dtype=np.int32))
+            masks.append(np.asarray(batch["loss_mask"][i], dtype=np.uint8))
+    append_rejects(rejects_path, rejects)
+    if not sids:
+        raise DataError(
+            f"every sample of {source} was rejected (reasons in {rejects_path}); prompt-only data "
+            "needs `eagle3-ray generate` first to write the assistant turns"
+        )
+
+    order = sorted(range(len(sids)), key=lambda i: sids[i])
+    lengths = np.asarray([len(ids[i]) for i in order], dtype=np.int64)
+    table = pa.table(
+        {
+            "sample_id": pa.array([sids[i] for i in order], pa.string()),
+            "source": pa.array([sources[i] for i in order], pa.string()),
+            "input_ids": pa.array([ids[i] for i in order], pa.list_(pa.int32())),
+            "loss_mask": pa.array([masks[i] for i in order], pa.list_(pa.uint8())),
+            "num_tokens": pa.array(lengths, pa.int64()),
+        }
+    )
+    target = out / PREPARED_FILE
+    tmp = out / (PREPARED_FILE + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(target)
+    summary = PrepareSummary(
+        samples=len(sids),
+        tokens=int(lengths.sum()),
+        loss_tokens=int(sum(int(m.sum()) for m in masks)),
+        rejected=len(rejects),
+        max_tokens=int(lengths.max()),
+        mean_tokens=float(lengths.mean()),
+        seconds=round(time.monotonic() - t0, 2),
+        prepared=str(target),
+    )
+    write_json_atomic(out / SUMMARY_FILE, asdict(summary))
+    print(
+        f"[prepare] {summary.samples} samples, {summary.tokens:,} tokens "
+        f"({summary.loss_tokens:,} loss tokens), {summary.rejected} rejected -> {target}",
+        flush=True,
+    )
+    return summary
+
+
+@dataclass
+class ExtractSummary:
+    samples: int
+    tokens: int
+    rejected: int
+    skipped_done: int
+    bytes_written: int
+    seconds: float
+    tokens_per_s: float
+    store: str
+
+
+def _store_totals(root: Path) -> tuple[int, int, int]:
+    """(samples, tokens, bytes) committed to the store, read from its completion markers."""
+    from eagle3_ray.features.store import manifest
+
+    entries = manifest(root)
+    return (
+        sum(len(e.sample_ids) for e in entries),
+        sum(e.tokens for e in entries),
+        sum(e.bytes for e in entries),
+    )
+
+
+def _progress_line(root: Path, meter, base: tuple[int, int, int]) -> str:
+    now = _store_totals(root)
+    meter.set(*(n - b for n, b in zip(now, base)))
+    return meter.line()
+
+
+def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> ExtractSummary:
+    """Capture hidden states for every prepared sample not yet in the store at `out`."""
+    import ray
+
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.extract.udfs import CaptureUDF, make_datasink
+    from eagle3_ray.features.preflight import check_disk
+    from eagle3_ray.features.store import (
+        FeatureStoreWriter, StoreMeta, cleanup_orphans, completed_ids, rejected_ids,
+    )
+    from eagle3_ray.progress import Poller, RateMeter
+
+    t0 = time.monotonic()
+    src = prepared_path(prepared)
+    if src is None:
+        raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
+    out = Path(out)
+    info = describe_target(cfg.target)
+    meta = dict(
+        hidden_size=info.hidden_size,
+        aux_layers=list(info.aux_layers),
+        target_fingerprint=info.fingerprint,
+        model_type=info.model_type,
+        vocab_size=info.vocab_size,
+    )
+    # Creating (or re-opening) the store checks its metadata against this target before any work.
+    FeatureStoreWriter(out, StoreMeta(**meta), writer_id="driver", shard_max_bytes=1).close()
+    save_resolved(cfg, out)
+    removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
+    if removed:
+        print(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run", flush=True)
+
+    table = pq.read_table(src, columns=["sample_id", "num_tokens"])
+    all_ids = table.column("sample_id").to_pylist()
+    lengths = table.column("num_tokens").to_numpy()
+    done = completed_ids(out) | rejected_ids(out)
+    todo = np.asarray([sid not in done for sid in all_ids], dtype=bool)
+    todo_tokens = int(lengths[todo].sum())
+    skipped = int((~todo).sum())
+    if skipped:
+        print(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go", flush=True)
+    if not todo.any():
+        return _finish_extract(out, t0, skipped, 0)
+    check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin)
+
+    mean_len = max(1.0, float(lengths[todo].mean()))
+    rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
+    done_ref = ray.put(done)
+    ds = ray.data.read_parquet(str(src))
+    if done:
+        ds = ds.filter(lambda row, ref=done_ref: row["sample_id"] not in ray.get(ref))
+    ds = ds.map_batches(
+        CaptureUDF,
+        fn_constructor_kwargs=dict(
+            target_cfg=cfg.target.model_dump(),
+            batch_tokens=cfg.extract.batch_tokens,
+            expected_hidden=info.hidden_size,
+        ),
+        compute=ray.data.ActorPoolStrategy(
+            min_size=cfg.extract.num_actors, max_size=cfg.extract.max_actors or cfg.extract.num_actors
+        ),
+        num_gpus=cfg.extract.num_gpus_per_actor or None,
+        batch_size=rows_per_batch,
+        batch_format="numpy",
+    )
+    sink = make_datasink(str(out), meta, cfg.extract.shard_max_bytes)
+    meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
+    base = _store_totals(out)
+    with Poller(lambda: _progress_line(out, meter, base), interval=10):
+        ds.write_datasink(sink)
+    return _finish_extract(out, t0, skipped, sink.totals.get("rejected", 0))
+
+
+def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> ExtractSummary:
+    from eagle3_ray.features import open_store
+
+    store = open_store(out)
+    seconds = time.monotonic() - t0
+    nbytes = sum(s.bytes for s in store.shards) if store.shards else 0
+    summary = ExtractSummary(
+        samples=len(store),
+        tokens=int(store.num_tokens),
+        rejected=rejected,
+        skipped_done=skipped,
+        bytes_written=int(nbytes),
+        seconds=round(seconds, 2),
+        tokens_per_s=round(store.num_tokens / seconds, 1) if seconds > 0 else 0.0,
+        store=str(out),
+    )
+    if not store.shards:
+        raise StoreError(f"extraction wrote no samples to {out}; see {out / REJECTS_FILE}")
+    write_json_atomic(out / SUMMARY_FILE, asdict(summary))
+    print(
+        f"[extract] store has {summary.samples} samples, {summary.tokens:,} tokens, "
+        f"{summary.bytes_written / 1e9:.3f} GB; this run {summary.seconds}s, {rejected} rejected",
+        flush=True,
+    )
+    return summary

@@ -1,0 +1,185 @@
+"""Ray Data callable classes: tokenize, capture (engine actor), and the feature-store datasink.
+
+Each class loads its heavy state once in ``__init__`` and transforms numpy batches in
+``__call__``; the compute they call (chat templates, engines, the store) has no Ray in it.
+bf16 hidden states travel through Ray Data as uint16 views (numpy/Arrow have no bfloat16).
+"""
+
+from __future__ import annotations
+
+import json
+
+import uuid
+from typing import Any, Iterable
+
+import numpy as np
+
+from eagle3_ray.config import TargetConfig
+
+
+def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
+    """An object array of per-row ndarrays (Ray Data stores it as a variable-shaped tensor column)."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+class TokenizeUDF:
+    """messages -> input_ids / loss_mask with the tokenizer's own chat template; rejects keep a reason."""
+
+    def __init__(self, tokenizer_path: str, max_length: int, truncate: bool):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.max_length = max_length
+        self.truncate = truncate
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from eagle3_ray.data.chat import tokenize_conversation
+        from eagle3_ray.data.sources import Sample
+        from eagle3_ray.errors import SampleRejected
+
+        ids, masks, n_tokens, rejects = [], [], [], []
+        for sid, messages, source in zip(batch["sample_id"], batch["messages"], batch["source"]):
+            sample = Sample(sample_id=str(sid), messages=json.loads(messages), source=str(source))
+            try:
+                tok = tokenize_conversation(self.tokenizer, sample, self.max_length, self.truncate)
+            except SampleRejected as e:
+                ids.append(np.zeros(0, np.int32))
+                masks.append(np.zeros(0, np.uint8))
+                n_tokens.append(0)
+                rejects.append(str(e))
+                continue
+            ids.append(np.asarray(tok.input_ids, dtype=np.int32))
+            masks.append(np.asarray(tok.loss_mask, dtype=np.uint8))
+            n_tokens.append(len(tok.input_ids))
+            rejects.append("")
+        return {
+            "sample_id": batch["sample_id"],
+            "source": batch["source"],
+            "input_ids": _ragged(ids),
+            "loss_mask": _ragged(masks),
+            "num_tokens": np.asarray(n_tokens, dtype=np.int64),
+            "reject": np.asarray(rejects, dtype=object),
+        }
+
+
+class CaptureUDF:
+    """The engine actor: one target engine per actor, full-sequence capture of aux + last hidden."""
+
+    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, expected_hidden: int):
+        from eagle3_ray.engines.factory import build_engine
+
+        self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
+        if self.engine.info.hidden_size != expected_hidden:
+            raise RuntimeError(
+                f"engine hidden size {self.engine.info.hidden_size} != planned {expected_hidden}"
+            )
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from eagle3_ray.features.record import bf16_to_uint16
+
+        seqs = [np.asarray(a).tolist() for a in batch["input_ids"]]
+        captures = self.engine.capture(seqs)
+        aux = [bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)) for c in captures]
+        last = [bf16_to_uint16(c.last_hidden.to(torch.bfloat16)) for c in captures]
+        return {
+            "sample_id": batch["sample_id"],
+            "source": batch["source"],
+            "input_ids": batch["input_ids"],
+            "loss_mask": batch["loss_mask"],
+            "aux_hidden": _ragged(aux),
+            "last_hidden": _ragged(last),
+        }
+
+
+def _rows(blocks: Iterable[Any]) -> Iterable[dict[str, Any]]:
+    from ray.data.block import BlockAccessor
+
+    for block in blocks:
+        batch = BlockAccessor.for_block(block).to_numpy()
+        for i in range(len(batch["sample_id"])):
+            yield {k: v[i] for k, v in batch.items()}
+
+
+class FeatureStoreSink:
+    """Ray Data datasink writing validated records into atomic shards of the feature store.
+
+    One writer per write task (unique writer id, so concurrent tasks never share a file). A retried
+    task skips samples that a failed attempt already committed, so no sample is stored twice.
+    """
+
+    def __init__(self, root: str, meta: dict[str, Any], shard_max_bytes: int):
+        self.root = root
+        self.meta = meta
+        self.shard_max_bytes = shard_max_bytes
+
+    def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, int]:
+        import torch
+
+        from eagle3_ray.errors import SampleRejected
+        from eagle3_ray.features.record import uint16_to_bf16
+        from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta, completed_ids
+
+        done = completed_ids(self.root)
+        writer_id = f"w{getattr(ctx, 'task_idx', 0):05d}-{uuid.uuid4().hex[:8]}"
+        writer = FeatureStoreWriter(
+            self.root, StoreMeta(**self.meta), writer_id=writer_id, shard_max_bytes=self.shard_max_bytes
+        )
+        stats = {"samples": 0, "tokens": 0, "rejected": 0, "skipped": 0}
+        try:
+            for row in _rows(blocks):
+                sid = str(row["sample_id"])
+                if sid in done:
+                    stats["skipped"] += 1
+                    continue
+                rec = {
+                    "sample_id": sid,
+                    "input_ids": torch.from_numpy(np.array(row["input_ids"], dtype=np.int32)),
+                    "loss_mask": torch.from_numpy(np.array(row["loss_mask"], dtype=np.uint8)),
+                    "aux_hidden": uint16_to_bf16(np.array(row["aux_hidden"])),
+                    "last_hidden": uint16_to_bf16(np.array(row["last_hidden"])),
+                }
+                try:
+                    writer.add(rec)
+                except SampleRejected as e:
+                    writer.reject(sid, str(row["source"]), str(e), stage="extract")
+                    stats["rejected"] += 1
+                    continue
+                stats["samples"] += 1
+                stats["tokens"] += int(rec["input_ids"].numel())
+        finally:
+            writer.close()
+        return stats
+
+
+def make_datasink(root: str, meta: dict[str, Any], shard_max_bytes: int):
+    """Wrap FeatureStoreSink as a ray.data.Datasink (kept separate so the class imports without Ray)."""
+    from ray.data import Datasink
+
+    class _FeatureStoreDatasink(Datasink):
+        def __init__(self):
+            self.impl = FeatureStoreSink(root, meta, shard_max_bytes)
+            self.totals: dict[str, int] = {}
+
+        def write(self, blocks, ctx):
+            return self.impl.write(blocks, ctx)
+
+        @property
+        def min_bytes_per_write(self):
+            return shard_max_bytes
+
+        def on_write_complete(self, write_result):
+            for r in write_result.write_returns:
+                for k, v in r.items():
+                    self.totals[k] = self.totals.get(k, 0) + v
+
+        def get_name(self) -> str:
+            return "FeatureStore"
+
+    return _FeatureStoreDatasink()
+
+

@@ -1,0 +1,89 @@
+"""`eagle3-ray vocab`: loss-masked token counts over the feature store (a Ray Data aggregation),
+then the d2t/t2d map of DESIGN.md, cached by data + target fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_ray.config import PipelineConfig, save_resolved
+
+VOCAB_FILE = "vocab_map.safetensors"
+
+
+class ShardTokenCounter:
+    """Ray Data UDF: one row per shard path -> one row with the shard's loss-masked token counts."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from safetensors import safe_open
+
+        from eagle3_ray.data.vocab import count_tokens
+
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for path in batch["path"]:
+            with safe_open(str(path), framework="np") as f:
+                counts += count_tokens(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), self.vocab_size)
+        return {"counts": counts[None, :]}
+
+
+def data_fingerprint(store) -> str:
+    """Identifies the set of samples (ids and token counts), independent of shard layout."""
+    h = hashlib.sha256()
+    for sid, n in sorted(zip(store.sample_ids, store.lengths)):
+        h.update(f"{sid}:{n};".encode())
+    return h.hexdigest()[:16]
+
+
+def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Path:
+    import ray
+
+    from eagle3_ray.data.vocab import build_vocab_map, load_vocab_map, save_vocab_map, vocab_fingerprint
+    from eagle3_ray.features import open_store
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, out)
+    store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
+    vocab_size = int(store.meta.vocab_size)
+    fp = vocab_fingerprint(data_fingerprint(store), store.meta.target_fingerprint, cfg.vocab.draft_vocab_size)
+    path = out / VOCAB_FILE
+    if path.is_file():
+        _, _, meta = load_vocab_map(path)
+        if meta.get("fingerprint") == fp:
+            print(f"[vocab] reusing cached map {path} (fingerprint {fp})", flush=True)
+            return path
+
+    shards = [str(s.path) for s in store.shards]
+    ds = ray.data.from_items([{"path": p} for p in shards], override_num_blocks=max(1, min(len(shards), 64)))
+    partial = ds.map_batches(
+        ShardTokenCounter, fn_constructor_kwargs=dict(vocab_size=vocab_size),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4), batch_size=4,
+    )
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for batch in partial.iter_batches(batch_format="numpy", batch_size=None):
+        counts += np.asarray(batch["counts"]).sum(axis=0)
+    d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size)
+    covered = int(counts[t2d.astype(bool)].sum())
+    total = int(counts.sum())
+    meta = {
+        "fingerprint": fp,
+        "target_fingerprint": store.meta.target_fingerprint,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
+        "distinct_tokens": int((counts > 0).sum()),
+        "loss_tokens": total,
+        "coverage": covered / max(total, 1),
+    }
+    save_vocab_map(path, d2t, t2d, meta)
+    (out / "summary.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    print(
+        f"[vocab] {meta['distinct_tokens']} distinct loss tokens; draft vocab {cfg.vocab.draft_vocab_size} "
+        f"covers {meta['coverage']:.2%} of {total:,} loss tokens -> {path}",
+        flush=True,
+    )
+    return path

@@ -1,0 +1,708 @@
+"""The offline feature store: atomic safetensors shards, completion markers, rejects, reader.
+
+Layout (docs/feature-store.md has the full description, readable without this package):
+
+    <root>/store_meta.json                   format version, hidden_size, aux_layers, target, vocab
+    <root>/shards/<writer>-<seq>.safetensors offsets int64 [n+1], aux_hidden bf16 [N, 3H],
+                                             last_hidden bf16 [N, H], input_ids int32 [N],
+                                             loss_mask uint8 [N]; n samples, N tokens in all
+    <root>/shards/<writer>-<seq>.done.json   completion marker: sample_ids, tokens, bytes, sha256
+    <root>/rejects.jsonl                     {"sample_id", "source", "reason", "stage"} per line
+
+Many writer processes share one directory. None of them appends to a shared index: each shard is
+published by (temp file, fsync, rename, fsync dir) and only then gets its marker, written the same
+way. The manifest is the set of markers, so a crash at any point leaves only complete shards
+visible; a shard without a marker is an orphan and ignored. No Ray in here.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import uuid
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eagle3_ray import __version__
+from eagle3_ray.errors import ConfigError, StoreError
+from eagle3_ray.features.record import (
+    AUX_HIDDEN,
+    INPUT_IDS,
+    LAST_HIDDEN,
+    LOSS_MASK,
+    SAMPLE_ID,
+    TENSOR_FIELDS,
+    bytes_per_token,
+    record_num_tokens,
+    to_torch_record,
+    validate_record,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "eagle3_ray.features"
+FORMAT_VERSION = 1
+META_FILE = "store_meta.json"
+SHARDS_DIR = "shards"
+REJECTS_FILE = "rejects.jsonl"
+SHARD_SUFFIX = ".safetensors"
+MARKER_SUFFIX = ".done.json"
+TMP_PREFIX = ".tmp-"
+OFFSETS = "offsets"
+DEFAULT_SHARD_MAX_BYTES = 256 * 2**20
+
+# Fields two runs must agree on to share a store; model_type and created_by are informational.
+COMPAT_FIELDS = ("format_version", "hidden_size", "aux_layers", "target_fingerprint", "vocab_size", "dtype")
+
+_WRITER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16"}
+# Shard tensor order: widest element first, so every tensor starts naturally aligned in an mmap.
+_SHARD_ORDER = (OFFSETS, AUX_HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK)
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    hidden_size: int
+    aux_layers: list[int]  # HF hidden_states indices (k = residual after k layers)
+    target_fingerprint: str
+    model_type: str
+    vocab_size: int
+    dtype: str = "bfloat16"
+    format_version: int = FORMAT_VERSION
+    created_by: str = f"eagle3_ray {__version__}"
+
+    @classmethod
+    def from_engine_info(cls, info: Any) -> "StoreMeta":
+        """From an ``engines.base.EngineInfo``; features are always stored in bf16."""
+        return cls(
+            hidden_size=info.hidden_size,
+            aux_layers=list(info.aux_layers),
+            target_fingerprint=info.fingerprint,
+            model_type=info.model_type,
+            vocab_size=info.vocab_size,
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StoreMeta":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mismatches(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+    return [f"{k}: store has {have.get(k)!r}, expected {want[k]!r}" for k in want if have.get(k) != want[k]]
+
+
+def check_compatible(store_meta: StoreMeta | Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Raise StoreError naming every field of ``expected`` (e.g. hidden_size, aux_layers,
+    vocab_size) on which the store differs."""
+    have = store_meta.to_dict() if isinstance(store_meta, StoreMeta) else dict(store_meta)
+    unknown = [k for k in expected if k not in StoreMeta.__dataclass_fields__]
+    assert not unknown, f"not store meta fields: {unknown}"
+    bad = _mismatches(have, {k: list(v) if isinstance(v, tuple) else v for k, v in expected.items()})
+    if bad:
+        raise StoreError(
+            "feature store does not match this run: " + "; ".join(bad) + ". Extract features for this "
+            "target and config into a new --out, or train with the config the store was made for."
+        )
+
+
+# ---------------------------------------------------------------- atomic file primitives
+
+
+def _open_for_write(path: Path) -> BinaryIO:
+    """Every store file is written through here (tests swap in a disk-full fake)."""
+    return open(path, "xb")
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_path(final: Path) -> Path:
+    return final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def _write_tmp(final: Path, data: bytes) -> Path:
+    tmp = _tmp_path(final)
+    try:
+        with _open_for_write(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        _remove_quietly(tmp)
+        raise
+    return tmp
+
+
+def _write_atomic(final: Path, data: bytes) -> None:
+    tmp = _write_tmp(final, data)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        _remove_quietly(tmp)
+        raise
+    _fsync_dir(final.parent)
+
+
+def _publish_if_absent(final: Path, data: bytes) -> bool:
+    """Atomically create ``final`` unless it exists; False when another process won."""
+    tmp = _write_tmp(final, data)
+    try:
+        os.link(tmp, final)  # unlike rename, link never replaces an existing file
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if final.exists():  # filesystem without hard links: best-effort check-then-rename
+            return False
+        os.replace(tmp, final)
+    finally:
+        _remove_quietly(tmp)
+    _fsync_dir(final.parent)
+    return True
+
+
+def _io_error(e: OSError, path: Path) -> StoreError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"disk full at {path} ({e.strerror}); free space on that disk"
+    else:
+        what = f"I/O error writing {path} ({e}); fix the storage"
+    return StoreError(f"{what} and rerun: completed shards are kept and resume skips their samples")
+
+
+# ---------------------------------------------------------------- store meta
+
+
+def read_meta(root: str | Path) -> StoreMeta:
+    path = Path(root) / META_FILE
+    if not path.is_file():
+        raise StoreError(f"no feature store at {root} ({META_FILE} missing); run extraction with --out {root}")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path} is unreadable ({e}); restore it or extract into a new --out") from e
+    if d.get("format_version", 0) > FORMAT_VERSION:
+        raise StoreError(f"{path} has format_version {d['format_version']}; this eagle3_ray reads up to "
+                         f"{FORMAT_VERSION}: upgrade eagle3_ray")
+    try:
+        return StoreMeta.from_dict(d)
+    except TypeError as e:
+        raise StoreError(f"{path} lacks required fields ({e}); restore it or extract into a new --out") from e
+
+
+def ensure_meta(root: str | Path, meta: StoreMeta) -> StoreMeta:
+    """Create ``store_meta.json`` or check the existing one matches ``meta`` (safe under races)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(meta.to_dict(), indent=2) + "\n").encode()
+    try:
+        if not (root / META_FILE).exists() and _publish_if_absent(root / META_FILE, data):
+            return meta
+    except OSError as e:
+        raise _io_error(e, root / META_FILE) from e
+    existing = read_meta(root)
+    bad = _mismatches(existing.to_dict(), {k: getattr(meta, k) for k in COMPAT_FIELDS})
+    if bad:
+        raise StoreError(
+            f"feature store {root} was written for another target or config: " + "; ".join(bad)
+            + ". Use a new --out for this run, or rerun with the same target and target.aux_layers."
+        )
+    return existing
+
+
+# ---------------------------------------------------------------- manifest (completion markers)
+
+
+def _shards_dir(root: str | Path) -> Path:
+    return Path(root) / SHARDS_DIR
+
+
+def _marker_path(shard: Path) -> Path:
+    return shard.with_name(shard.name[: -len(SHARD_SUFFIX)] + MARKER_SUFFIX)
+
+
+def _shard_path(marker: Path) -> Path:
+    return marker.with_name(marker.name[: -len(MARKER_SUFFIX)] + SHARD_SUFFIX)
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """Parsed marker; ValueError/OSError when it cannot be used."""
+    d = json.loads(path.read_text(encoding="utf-8"))
+    for key, typ in (("sample_ids", list), ("tokens", int), ("bytes", int), ("sha256", str)):
+        if not isinstance(d.get(key), typ):
+            raise ValueError(f"marker field {key!r} missing or not {typ.__name__}")
+    return d
+
+
+def _marker_files(root: str | Path) -> list[Path]:
+    d = _shards_dir(root)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.name.endswith(MARKER_SUFFIX) and not p.name.startswith(TMP_PREFIX))
+
+
+def manifest(root: str | Path) -> list[dict[str, Any]]:
+    """Every readable completion marker, in shard-name order; unreadable ones are logged and left
+    out (their samples are then not complete and get redone)."""
+    out = []
+    for m in _marker_files(root):
+        try:
+            out.append(_read_marker(m))
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring unreadable completion marker %s: %s", m, e)
+    return out
+
+
+def _shard_intact(marker_path: Path, marker: Mapping[str, Any]) -> bool:
+    try:
+        return _shard_path(marker_path).stat().st_size == marker["bytes"]
+    except OSError:
+        return False
+
+
+def completed_ids(root: str | Path) -> set[str]:
+    """Sample ids in completed shards (marker present, shard of the recorded size): skip these
+    when resuming. Cheap: reads markers and stats shards, never shard contents."""
+    done: set[str] = set()
+    for m in _marker_files(root):
+        try:
+            marker = _read_marker(m)
+        except (OSError, ValueError):
+            continue
+        if _shard_intact(m, marker):
+            done.update(marker["sample_ids"])
+    return done
+
+
+def cleanup_orphans(root: str | Path) -> list[Path]:
+    """Remove what a crash leaves behind: temp files, shards without a marker, and markers whose
+    shard is missing or truncated. Only call while no writer is running on ``root`` (a live
+    writer's shard is unmarked for a moment). Returns the removed paths."""
+    d = _shards_dir(root)
+    if not d.is_dir():
+        return []
+    removed: list[Path] = []
+    names = {p.name for p in d.iterdir()}
+    for name in sorted(names):
+        p = d / name
+        if name.startswith(TMP_PREFIX):
+            removed.append(p)
+        elif name.endswith(SHARD_SUFFIX) and _marker_path(p).name not in names:
+            removed.append(p)
+        elif name.endswith(MARKER_SUFFIX):
+            try:
+                intact = _shard_intact(p, _read_marker(p))
+            except (OSError, ValueError):
+                intact = False
+            if not intact:
+                removed += [p] + ([_shard_path(p)] if _shard_path(p).name in names else [])
+    for p in removed:
+        logger.info("removing incomplete store file %s", p)
+        _remove_quietly(p)
+    return removed
+
+
+# ---------------------------------------------------------------- rejects
+
+
+def append_reject(root: str | Path, sample_id: str, source: str, reason: str, stage: str) -> None:
+    """Quarantine one sample. One write() per line on an O_APPEND descriptor, so lines from
+    concurrent processes never interleave."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"sample_id": sample_id, "source": source, "reason": reason, "stage": stage},
+                      ensure_ascii=False) + "\n"
+    data = line.encode("utf-8")
+    fd = os.open(Path(root) / REJECTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+    except OSError as e:
+        raise _io_error(e, Path(root) / REJECTS_FILE) from e
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise StoreError(f"short write to {Path(root) / REJECTS_FILE} (disk full?); free space and rerun")
+
+
+def read_rejects(root: str | Path) -> list[dict[str, Any]]:
+    """All reject lines; a torn last line from a crash is skipped with a warning."""
+    path = Path(root) / REJECTS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            logger.warning("skipping unreadable line %d of %s", n, path)
+    return out
+
+
+def rejected_ids(root: str | Path) -> set[str]:
+    return {r["sample_id"] for r in read_rejects(root) if "sample_id" in r}
+
+
+# ---------------------------------------------------------------- shard writing
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _safetensors_header(tensors: Sequence[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]) -> bytes:
+    """The safetensors header for tensors laid out back to back in the given order."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    start = 0
+    for name, dtype, shape in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # keeps the data section 8-byte aligned
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _stream_shard(f: BinaryIO, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], hidden: int) -> str:
+    """Write one shard in safetensors format straight from the per-sample tensors (no concatenated
+    copy of a 256 MiB shard in memory) and return its sha256."""
+    lengths = [record_num_tokens(r) for r in records]
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)  # [n+1]
+    n_tok = int(offsets[-1])
+    shapes = {OFFSETS: [len(records) + 1], AUX_HIDDEN: [n_tok, 3 * hidden], LAST_HIDDEN: [n_tok, hidden],
+              INPUT_IDS: [n_tok], LOSS_MASK: [n_tok]}
+    dtypes = {OFFSETS: torch.int64, AUX_HIDDEN: torch.bfloat16, LAST_HIDDEN: torch.bfloat16,
+              INPUT_IDS: torch.int32, LOSS_MASK: torch.uint8}
+    sha = hashlib.sha256()
+
+    def put(buf: bytes | memoryview) -> None:
+        f.write(buf)
+        sha.update(buf)
+
+    put(_safetensors_header([(k, dtypes[k], shapes[k]) for k in _SHARD_ORDER], metadata))
+    put(_raw_bytes(offsets))
+    for name in _SHARD_ORDER[1:]:
+        for r in records:
+            put(_raw_bytes(r[name]))
+    return sha.hexdigest()
+
+
+def _publish_shard(
+    shard: Path, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], hidden: int
+) -> tuple[int, str]:
+    """Temp file, fsync, rename, fsync dir. Returns (bytes, sha256). On OSError nothing is left."""
+    tmp = _tmp_path(shard)
+    try:
+        with _open_for_write(tmp) as f:
+            sha = _stream_shard(f, records, metadata, hidden)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, shard)
+        _fsync_dir(shard.parent)
+    except OSError as e:
+        _remove_quietly(tmp)
+        raise _io_error(e, shard) from e
+    return shard.stat().st_size, sha
+
+
+def _existing_seqs(shards_dir: Path, writer_id: str) -> list[int]:
+    pat = re.compile(rf"^{re.escape(writer_id)}-(\d+)({re.escape(SHARD_SUFFIX)}|{re.escape(MARKER_SUFFIX)})$")
+    return [int(m.group(1)) for p in shards_dir.iterdir() if (m := pat.match(p.name))]
+
+
+class FeatureStoreWriter:
+    """Buffers validated records and writes them as atomic shards of about ``shard_max_bytes``.
+
+    One writer per process (Ray Data actor); ``writer_id`` must be unique among the writers
+    running on ``root`` at the same time. A writer restarted with an old id continues its
+    sequence numbers, so it never replaces a completed shard. Records are referenced, not
+    copied, until their shard is written: do not modify them after ``add``.
+    """
+
+    def __init__(self, root: str | Path, meta: StoreMeta, writer_id: str,
+                 shard_max_bytes: int = DEFAULT_SHARD_MAX_BYTES):
+        if not _WRITER_ID.match(writer_id):
+            raise StoreError(f"writer_id {writer_id!r} must match {_WRITER_ID.pattern} (it names shard files)")
+        if shard_max_bytes < 1:
+            raise ConfigError(f"extract.shard_max_bytes={shard_max_bytes} must be >= 1")
+        self.root = Path(root)
+        self.meta = ensure_meta(self.root, meta)
+        self.writer_id = writer_id
+        self.shard_max_bytes = shard_max_bytes
+        self._dir = _shards_dir(self.root)
+        self._dir.mkdir(exist_ok=True)
+        self._seq = max(_existing_seqs(self._dir, writer_id), default=-1) + 1
+        self._buffer: list[dict[str, Any]] = []
+        self._buffer_bytes = 0
+        self._bpt = bytes_per_token(meta.hidden_size)
+        self._closed = False
+        self.shards_written: list[Path] = []
+        self.samples_written = 0
+        self.tokens_written = 0
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Validate (SampleRejected on a bad record: pass it to ``reject``), buffer, and write a
+        shard once the buffer holds ``shard_max_bytes``."""
+        if self._closed:
+            raise StoreError(f"writer {self.writer_id} is closed")
+        rec = to_torch_record(record)
+        validate_record(rec, self.meta.hidden_size, self.meta.vocab_size)
+        rec = {SAMPLE_ID: rec[SAMPLE_ID], **{k: rec[k].detach().cpu() for k in TENSOR_FIELDS}}
+        self._buffer.append(rec)
+        self._buffer_bytes += record_num_tokens(rec) * self._bpt
+        if self._buffer_bytes >= self.shard_max_bytes:
+            self.flush()
+
+    def reject(self, sample_id: str, source: str, reason: str, stage: str) -> None:
+        append_reject(self.root, sample_id, source, reason, stage)
+
+    def _next_name(self) -> str:
+        while True:
+            name = f"{self.writer_id}-{self._seq:06d}"
+            self._seq += 1
+            if not any((self._dir / f"{name}{suffix}").exists() for suffix in (SHARD_SUFFIX, MARKER_SUFFIX)):
+                return name
+
+    def flush(self) -> Path | None:
+        """Write the buffered records as one shard plus its marker; returns the shard path. On a
+        disk error raises StoreError and keeps the buffer, so a later flush can retry."""
+        if not self._buffer:
+            return None
+        name = self._next_name()
+        shard = self._dir / f"{name}{SHARD_SUFFIX}"
+        ids = [r[SAMPLE_ID] for r in self._buffer]
+        metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "writer": self.writer_id,
+                    "sample_ids": json.dumps(ids), "aux_layers": json.dumps(self.meta.aux_layers),
+                    "hidden_size": str(self.meta.hidden_size)}
+        nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta.hidden_size)
+        tokens = sum(record_num_tokens(r) for r in self._buffer)
+        marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": self.writer_id,
+                  "sample_ids": ids, "num_samples": len(ids), "tokens": tokens, "bytes": nbytes, "sha256": sha}
+        try:
+            _write_atomic(_marker_path(shard), (json.dumps(marker) + "\n").encode())
+        except OSError as e:
+            _remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
+            raise _io_error(e, _marker_path(shard)) from e
+        self.shards_written.append(shard)
+        self.samples_written += len(ids)
+        self.tokens_written += tokens
+        self._buffer, self._buffer_bytes = [], 0
+        return shard
+
+    def close(self) -> None:
+        if not self._closed:
+            self.flush()
+            self._closed = True
+
+    def __enter__(self) -> "FeatureStoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # buffered samples are not complete, so a resumed run redoes them
+            self._buffer, self._closed = [], True
+
+
+# ---------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    sample_ids: list[str]
+    tokens: int
+    bytes: int
+    sha256: str
+    offsets: np.ndarray = field(repr=False)  # int64 [n+1], token offsets of the samples
+
+
+class _CorruptShard(Exception):
+    pass
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_layout(f: Any, meta: StoreMeta, n: int) -> int:
+    """Checks tensor names, dtypes and shapes of an open shard; returns its token count N."""
+    if set(f.keys()) != set(_SHARD_ORDER):
+        raise _CorruptShard(f"tensors {sorted(f.keys())}, expected {sorted(_SHARD_ORDER)}")
+    n_tok = (f.get_slice(INPUT_IDS).get_shape() or [-1])[0]
+    h = meta.hidden_size
+    want = {OFFSETS: ("I64", [n + 1]), AUX_HIDDEN: ("BF16", [n_tok, 3 * h]), LAST_HIDDEN: ("BF16", [n_tok, h]),
+            INPUT_IDS: ("I32", [n_tok]), LOSS_MASK: ("U8", [n_tok])}
+    for name, (dtype, shape) in want.items():
+        s = f.get_slice(name)
+        if (s.get_dtype(), list(s.get_shape())) != (dtype, shape):
+            raise _CorruptShard(f"{name} is {s.get_dtype()} {s.get_shape()}, expected {dtype} {shape}")
+    return n_tok
+
+
+def _json_field(metadata: Mapping[str, str], key: str) -> Any:
+    try:
+        return json.loads(metadata[key])
+    except (KeyError, ValueError) as e:
+        raise _CorruptShard(f"shard metadata {key!r} missing or not JSON") from e
+
+
+def _load_shard(marker_path: Path, meta: StoreMeta, verify: bool) -> ShardInfo:
+    path = _shard_path(marker_path)
+    try:
+        marker = _read_marker(marker_path)
+    except (OSError, ValueError) as e:
+        raise _CorruptShard(f"unreadable completion marker {marker_path.name}: {e}") from e
+    if not path.is_file():
+        raise _CorruptShard("shard file missing (its marker exists)")
+    size = path.stat().st_size
+    if size != marker["bytes"]:
+        raise _CorruptShard(f"size {size} bytes, marker says {marker['bytes']} (truncated or overwritten)")
+    if verify and _sha256_file(path) != marker["sha256"]:
+        raise _CorruptShard("sha256 differs from its marker (bytes changed on disk)")
+    ids = marker["sample_ids"]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            n_tok = _check_layout(f, meta, len(ids))
+            md = f.metadata() or {}
+            offsets = f.get_tensor(OFFSETS).numpy()  # [n+1]
+    except _CorruptShard:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise _CorruptShard(f"bad safetensors header: {e}") from e
+    if _json_field(md, "sample_ids") != ids:
+        raise _CorruptShard("sample ids in the shard differ from its marker")
+    if _json_field(md, "aux_layers") != list(meta.aux_layers):
+        raise _CorruptShard(f"aux layers {md.get('aux_layers')} differ from the store's {meta.aux_layers}")
+    if n_tok != marker["tokens"] or offsets[0] != 0 or offsets[-1] != n_tok or (np.diff(offsets) <= 0).any():
+        raise _CorruptShard(f"offsets inconsistent with {n_tok} tokens (marker: {marker['tokens']})")
+    return ShardInfo(path=path, sample_ids=list(ids), tokens=n_tok, bytes=size, sha256=marker["sha256"],
+                     offsets=offsets.astype(np.int64))
+
+
+class FeatureStore:
+    """Read-only view of the completed shards: a sized, indexable iterable of feature records.
+
+    Order is deterministic (shard name, then position in shard). A sample id that appears in
+    several shards (a duplicated extraction) is served once, first occurrence wins; the others are
+    listed in ``duplicate_ids``. ``store[i]`` reads only that sample's rows from the shard.
+    """
+
+    _MAX_OPEN = 8  # open shard handles kept for random access
+
+    def __init__(self, root: Path, meta: StoreMeta, shards: list[ShardInfo], skipped: list[dict[str, str]]):
+        self.root = root
+        self.meta = meta
+        self.shards = shards
+        self.skipped_shards = skipped
+        seen: set[str] = set()
+        loc: list[tuple[int, int]] = []
+        self.duplicate_ids: list[str] = []
+        for k, s in enumerate(shards):
+            for j, sid in enumerate(s.sample_ids):
+                if sid in seen:
+                    self.duplicate_ids.append(sid)
+                    continue
+                seen.add(sid)
+                loc.append((k, j))
+        self._loc = np.array(loc, dtype=np.int64).reshape(-1, 2)  # [n, 2] (shard, row)
+        self.sample_ids = [shards[k].sample_ids[j] for k, j in loc]
+        shard_lengths = [np.diff(s.offsets) for s in shards]
+        self.lengths = np.array([shard_lengths[k][j] for k, j in loc], dtype=np.int64)  # [n] tokens
+        self.num_tokens = int(self.lengths.sum())
+        self._handles: OrderedDict[int, Any] = OrderedDict()
+        if self.duplicate_ids:
+            logger.warning("feature store %s: %d duplicated sample ids served once (first shard wins), "
+                           "e.g. %s", root, len(self.duplicate_ids), self.duplicate_ids[:3])
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def _handle(self, k: int) -> Any:
+        if k in self._handles:
+            self._handles.move_to_end(k)
+        else:
+            self._handles[k] = safe_open(str(self.shards[k].path), framework="pt")
+            if len(self._handles) > self._MAX_OPEN:
+                self._handles.popitem(last=False)
+        return self._handles[k]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for a store of {len(self)} samples")
+        k, j = (int(x) for x in self._loc[i])
+        start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
+        f = self._handle(k)
+        rec: dict[str, Any] = {SAMPLE_ID: self.shards[k].sample_ids[j]}
+        for name in TENSOR_FIELDS:
+            rec[name] = f.get_slice(name)[start:end]  # reads rows [start, end) only
+        return rec
+
+    def close(self) -> None:
+        """Release the open shard files (reading again reopens them)."""
+        self._handles.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # open file handles do not cross process boundaries; each process reopens lazily
+        state = self.__dict__.copy()
+        state["_handles"] = OrderedDict()
+        return state
+
+
+def open_store(root: str | Path, on_corrupt: Literal["abort", "skip"] = "abort", verify: bool = False) -> FeatureStore:
+    """Open the completed shards of a store. Every shard's header, tensor shapes, offsets and size
+    are checked; ``verify=True`` also checks each shard's sha256 (reads every byte). A corrupt shard
+    raises StoreError (``on_corrupt="abort"``) or is left out, logged and listed in
+    ``store.skipped_shards`` (``"skip"``)."""
+    if on_corrupt not in ("abort", "skip"):
+        raise ConfigError(f"extract.on_corrupt_shard={on_corrupt!r} must be 'abort' or 'skip'")
+    root = Path(root)
+    meta = read_meta(root)
+    shards, skipped = [], []
+    for m in _marker_files(root):
+        try:
+            shards.append(_load_shard(m, meta, verify))
+        except _CorruptShard as e:
+            path = _shard_path(m)
+            if on_corrupt == "abort":
+                raise StoreError(
+                    f"corrupt feature shard {path}: {e}. Delete {path.name} and {m.name}, then rerun "
+                    f"extraction with the same --out to regenerate its samples, or read with "
+                    f"extract.on_corrupt_shard=skip to leave them out"
+                ) from None
+            logger.warning("skipping corrupt feature shard %s: %s", path, e)
+            skipped.append({"path": str(path), "reason": str(e)})
+    return FeatureStore(root, meta, shards, skipped)

@@ -1,0 +1,79 @@
+"""Training data on Ray Data: pack descriptors -> packed feature micro-batches per worker shard.
+
+The driver turns the packing plan into rows `{"key", "samples"}`; `LoadPackUDF` reads those samples
+from the feature store (safetensors slices) and emits one packed row per micro-batch; workers read
+them through `ray.train.get_dataset_shard("train")`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eagle3_ray.train.packing import Pack
+
+
+def _ragged(arrays):
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+class LoadPackUDF:
+    def __init__(self, store_root: str, on_corrupt: str = "abort"):
+        from eagle3_ray.features import open_store
+
+        self.store = open_store(store_root, on_corrupt=on_corrupt)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from eagle3_ray.features.record import bf16_to_uint16
+        from eagle3_ray.train.packing import collate
+
+        cols: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden",
+                                                "position_ids", "seq_ids")}
+        for samples in batch["samples"]:
+            packed = collate([self.store[int(i)] for i in samples])
+            for k in cols:
+                t = packed[k][0]
+                cols[k].append(bf16_to_uint16(t) if t.dtype == torch.bfloat16 else t.numpy())
+        return {"key": batch["key"], **{k: _ragged(v) for k, v in cols.items()}}
+
+
+def pack_rows(packs: list[Pack]) -> list[dict]:
+    return [{"key": p.key, "samples": np.asarray(p.samples, dtype=np.int64)} for p in packs]
+
+
+def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loaders: int = 2):
+    import ray
+
+    rows = pack_rows(packs)
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 200)))
+    return ds.map_batches(
+        LoadPackUDF,
+        fn_constructor_kwargs=dict(store_root=store_root, on_corrupt=on_corrupt),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=loaders),
+        batch_size=1,
+        batch_format="numpy",
+    )
+
+
+def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype) -> dict:
+    """One packed row (numpy, bf16 as uint16) -> `ttt_forward` batch tensors [1, N, ...] on `device`."""
+    import torch
+
+    from eagle3_ray.features.record import uint16_to_bf16
+
+    def arr(k):
+        a = row[k]
+        return a[0]
+
+    out = {}
+    for k in ("aux_hidden", "last_hidden"):
+        out[k] = uint16_to_bf16(np.ascontiguousarray(arr(k)))[None].to(device=device, dtype=hidden_dtype)
+    out["input_ids"] = torch.from_numpy(np.asarray(arr("input_ids"), dtype=np.int64))[None].to(device)
+    out["loss_mask"] = torch.from_numpy(np.asarray(arr("loss_mask"), dtype=np.bool_))[None].to(device)
+    out["position_ids"] = torch.from_numpy(np.asarray(arr("position_ids"), dtype=np.int64))[None].to(device)
+    out["seq_ids"] = torch.from_numpy(np.asarray(arr("seq_ids"), dtype=np.int64))[None].to(device)
+    return out

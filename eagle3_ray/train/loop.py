@@ -1,0 +1,212 @@
+"""The Ray Train worker loop: build, restore, loop (step, log, checkpoint), close.
+
+Runs in every TorchTrainer worker. `deepspeed.initialize` wraps the drafter (ZeRO stage from the
+config; bf16 on GPU, fp32 + gloo on CPU). Features arrive as packed micro-batches through
+`ray.train.get_dataset_shard("train")`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_ray.train import checkpoint as ck
+
+
+@dataclass
+class TrainJob:
+    """Everything a worker needs; built by the driver (trainer.py), JSON-safe."""
+
+    train: dict[str, Any]  # TrainConfig.model_dump()
+    drafter_config: dict[str, Any]  # DrafterConfig.to_dict()
+    heads_path: str
+    vocab_path: str
+    out_dir: str  # metrics.jsonl goes here
+    total_steps: int  # optimizer steps the plan allows (LR schedule length)
+    identity: dict[str, Any] = field(default_factory=dict)  # must match to resume a checkpoint
+    use_gpu: bool = False
+
+
+def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": t["grad_accum"],
+        "gradient_clipping": t["grad_clip"],
+        "zero_optimization": {"stage": t["zero_stage"]},
+        "bf16": {"enabled": use_gpu},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": t["lr"], "betas": [0.9, 0.95], "eps": 1e-8,
+                       "weight_decay": t["weight_decay"], "torch_adam": True},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _build_drafter(job: TrainJob, device: torch.device):
+    from eagle3_ray.data.vocab import load_vocab_map
+    from eagle3_ray.drafter.export import init_drafter_from
+    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3_ray.engines.heads import load_target_heads
+
+    torch.manual_seed(job.train["seed"])
+    cfg = DrafterConfig.from_dict(job.drafter_config)
+    drafter = Eagle3Drafter(cfg)
+    embed, lm_head = load_target_heads(job.heads_path)
+    drafter.bind_embedding(embed.float())
+    d2t, t2d, _ = load_vocab_map(job.vocab_path)
+    drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
+    if job.train.get("init_from"):
+        state = init_drafter_from(job.train["init_from"], cfg)
+        drafter.load_state_dict(state, strict=False)
+    dtype = torch.bfloat16 if job.use_gpu else torch.float32
+    return drafter.to(device), lm_head.to(device=device, dtype=dtype)
+
+
+def _all_have_data(has: bool, device: torch.device) -> bool:
+    """Every rank must take the same number of steps; stop all when any rank runs dry."""
+    flag = torch.tensor([1.0 if has else 0.0], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    if not torch.distributed.is_initialized():
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    t /= torch.distributed.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def _save_checkpoint(engine, drafter, job: TrainJob, step: int, consumed: list[str], metrics: dict) -> None:
+    import ray.train
+
+    from eagle3_ray.drafter.export import save_drafter_weights
+
+    rank = ray.train.get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        engine.save_checkpoint(str(d), tag=ck.DS_TAG)
+        ck.write_json(d / ck.DATA_STATE_DIR / f"rank-{rank}.json", sorted(consumed))
+        gather = _gathered(engine, drafter)
+        with gather:
+            if rank == 0:
+                save_drafter_weights(drafter, d)
+                ck.write_json(d / ck.TRAIN_STATE, {"step": step, "metrics": metrics, "identity": job.identity})
+        ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def _gathered(engine, drafter):
+    """ZeRO-3 partitions parameters: gather them (on every rank) while rank 0 saves."""
+    import contextlib
+
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0, set()
+    with ckpt.as_directory() as d:
+        d = Path(d)
+        state = ck.read_train_state(d)
+        ck.check_identity(state.get("identity", {}), job.identity, d)
+        engine.load_checkpoint(str(d), tag=ck.DS_TAG)
+        consumed = ck.consumed_packs(d)
+    print(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)", flush=True)
+    return int(state["step"]), consumed
+
+
+def train_func(job_dict: dict[str, Any]) -> None:
+    import deepspeed
+    import ray.train
+
+    from eagle3_ray.drafter.ttt import ttt_forward
+    from eagle3_ray.train.data import row_to_batch
+    from eagle3_ray.train.schedule import warmup_cosine
+
+    job = TrainJob(**job_dict)
+    t = job.train
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
+    if job.use_gpu:
+        torch.cuda.set_device(device)
+    drafter, lm_head = _build_drafter(job, device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def lr_lambda(step: int) -> float:
+        return warmup_cosine(step, t["warmup_steps"], job.total_steps, t["min_lr_ratio"])
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=drafter,
+        model_parameters=params,
+        config=_ds_config(t, job.use_gpu),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+    )
+    step, consumed = _restore(engine, job)
+    hidden_dtype = torch.bfloat16 if job.use_gpu else torch.float32
+    metrics_path = Path(job.out_dir) / "metrics.jsonl"
+    max_steps = min(job.total_steps, t["max_steps"] or job.total_steps)
+
+    rows = ray.train.get_dataset_shard("train").iter_rows()
+    window: dict[str, float] = {}
+    window_n, tokens, t0 = 0, 0, time.monotonic()
+    micro, saved_step = 0, step
+    last_metrics: dict[str, float] = {}
+    while step < max_steps:
+        row = next((r for r in rows if r["key"] not in consumed), None)
+        if not _all_have_data(row is not None, device):
+            break
+        consumed.add(str(row["key"]))
+        batch = row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype)
+        out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"])
+        engine.backward(out.loss)
+        engine.step()
+        micro += 1
+        tokens += int(batch["input_ids"].numel())
+        for k, v in out.metrics.items():
+            window[k] = window.get(k, 0.0) + float(v)
+        window_n += 1
+        if micro % t["grad_accum"]:
+            continue
+        step += 1
+        if step % t["log_every"] == 0 or step == max_steps:
+            elapsed = time.monotonic() - t0
+            m = {k: v / window_n for k, v in window.items()}
+            m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
+            m = _mean_over_ranks(m, device)
+            m["tokens_per_s"] *= ctx.get_world_size()
+            m["lr"] = engine.get_lr()[0]
+            m["step"] = step
+            last_metrics = m
+            if rank == 0:
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(m) + "\n")
+                accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
+                print(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} acc [{accs}] "
+                      f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s", flush=True)
+            window, window_n, tokens, t0 = {}, 0, 0, time.monotonic()
+            if step % t["checkpoint_every"] and step != max_steps:
+                ray.train.report({k: v for k, v in m.items()})
+        if step % t["checkpoint_every"] == 0 or step == max_steps:
+            _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
+            saved_step = step
+    if step != saved_step:  # the data ran out between checkpoints: keep the final state
+        _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)

@@ -1,0 +1,84 @@
+"""Length-bucketed packing of samples into micro-batches of at most `batch_tokens` tokens.
+
+The plan is a pure function of (lengths, batch_tokens, epochs, seed), so every process and every
+resumed run computes the same packs; a pack is identified by (epoch, index) and the training data
+position is the set of packs already consumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BUCKET_WINDOW = 512  # samples sorted by length together: low padding, still well shuffled
+
+
+@dataclass(frozen=True)
+class Pack:
+    epoch: int
+    index: int  # position in the epoch's shuffled order
+    samples: tuple[int, ...]  # store indices
+    tokens: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.epoch}:{self.index}"
+
+
+def plan_epoch(lengths: np.ndarray, batch_tokens: int, epoch: int, seed: int) -> list[Pack]:
+    """Shuffle, sort within windows by length, first-fit pack, shuffle the packs.
+
+    A sample longer than `batch_tokens` forms a pack of its own (never truncated here: truncation is
+    a data decision made in `prepare`).
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    groups: list[list[int]] = []
+    for start in range(0, len(order), BUCKET_WINDOW):
+        window = sorted(order[start : start + BUCKET_WINDOW].tolist(), key=lambda i: -int(lengths[i]))
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in window:
+            n = int(lengths[i])
+            for b, free in enumerate(room):
+                if n <= free:
+                    bins[b].append(i)
+                    room[b] -= n
+                    break
+            else:
+                bins.append([i])
+                room.append(batch_tokens - n)
+        groups.extend(bins)
+    perm = rng.permutation(len(groups))
+    return [
+        Pack(epoch, k, tuple(groups[g]), int(sum(int(lengths[i]) for i in groups[g])))
+        for k, g in enumerate(perm)
+    ]
+
+
+def plan(lengths: np.ndarray, batch_tokens: int, epochs: int, seed: int) -> list[Pack]:
+    return [p for e in range(epochs) for p in plan_epoch(lengths, batch_tokens, e, seed)]
+
+
+def padding_efficiency(packs: list[Pack], batch_tokens: int) -> float:
+    """Real tokens / tokens a padded [1, batch_tokens] micro-batch would hold."""
+    cap = sum(max(batch_tokens, p.tokens) for p in packs)
+    return sum(p.tokens for p in packs) / max(cap, 1)
+
+
+def collate(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Concatenate records on the token axis into one [1, N] packed batch for `ttt_forward`."""
+    position_ids = torch.cat([torch.arange(int(r["input_ids"].numel())) for r in records])
+    seq_ids = torch.cat(
+        [torch.full((int(r["input_ids"].numel()),), j, dtype=torch.long) for j, r in enumerate(records)]
+    )
+    return {
+        "input_ids": torch.cat([r["input_ids"].long() for r in records])[None],
+        "loss_mask": torch.cat([r["loss_mask"].bool() for r in records])[None],
+        "aux_hidden": torch.cat([r["aux_hidden"] for r in records])[None],
+        "last_hidden": torch.cat([r["last_hidden"] for r in records])[None],
+        "position_ids": position_ids[None],
+        "seq_ids": seq_ids[None],
+    }

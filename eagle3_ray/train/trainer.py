@@ -1,0 +1,142 @@
+"""`eagle3-ray train`: plan, check, and launch the Ray Train + DeepSpeed drafter training.
+
+The driver refuses mismatched inputs before any worker starts (store vs target vs vocab map),
+writes the frozen target heads once, plans the packs, and hands workers a JSON-safe TrainJob.
+Rerunning with the same --out resumes from the latest checkpoint (same RunConfig name + storage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.errors import CheckpointError, StoreError
+from eagle3_ray.train.checkpoint import latest_checkpoint, write_json
+
+VOCAB_FILE = "vocab_map.safetensors"
+
+
+def _vocab_file(vocab: str | Path) -> Path:
+    p = Path(vocab)
+    p = p / VOCAB_FILE if p.is_dir() else p
+    if not p.is_file():
+        raise StoreError(f"vocab map {p} does not exist; run `eagle3-ray vocab --features ... --out ...` first")
+    return p
+
+
+def _short_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _use_gpu(cfg: PipelineConfig) -> bool:
+    import ray
+
+    if cfg.train.use_gpu is not None:
+        return cfg.train.use_gpu
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: Path):
+    """Checks + plan, no Ray: returns (TrainJob, packs, store)."""
+    from eagle3_ray.data.vocab import load_vocab_map
+    from eagle3_ray.drafter.model import DrafterConfig
+    from eagle3_ray.engines.describe import describe_target, target_hf_config
+    from eagle3_ray.engines.heads import save_target_heads
+    from eagle3_ray.extract.vocab_stage import data_fingerprint
+    from eagle3_ray.features import open_store
+    from eagle3_ray.features.store import check_compatible
+    from eagle3_ray.train.loop import TrainJob
+    from eagle3_ray.train.packing import padding_efficiency, plan
+
+    store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
+    if len(store) == 0:
+        raise StoreError(f"feature store {features} is empty; run `eagle3-ray extract` first")
+    info = describe_target(cfg.target)
+    check_compatible(
+        store.meta,
+        {"hidden_size": info.hidden_size, "aux_layers": list(info.aux_layers),
+         "vocab_size": info.vocab_size, "target_fingerprint": info.fingerprint},
+    )
+    vocab_path = _vocab_file(vocab)
+    d2t, t2d, vmeta = load_vocab_map(vocab_path)
+    if vmeta.get("target_fingerprint") not in (None, info.fingerprint):
+        raise StoreError(
+            f"vocab map {vocab_path} was built for target {vmeta.get('target_fingerprint')}, "
+            f"not this target ({info.fingerprint}); rerun `eagle3-ray vocab` on this store"
+        )
+    if len(t2d) != info.vocab_size:
+        raise StoreError(f"vocab map {vocab_path} covers {len(t2d)} target ids, the target has {info.vocab_size}")
+    drafter_cfg = DrafterConfig.from_target(
+        target_hf_config(cfg.target), len(d2t), list(info.aux_layers), cfg.train.drafter.model_dump()
+    )
+    heads = save_target_heads(cfg.target, out)
+    t = cfg.train
+    packs = plan(store.lengths, t.batch_tokens, t.epochs, t.seed)
+    per_step = t.num_workers * t.grad_accum
+    total = max(1, len(packs) // per_step)
+    if t.max_steps:
+        total = min(total, t.max_steps)
+    identity = {
+        "drafter": drafter_cfg.to_dict(),
+        "data": data_fingerprint(store),
+        "vocab": _short_hash(d2t.tolist()),
+        "batch_tokens": t.batch_tokens, "epochs": t.epochs, "seed": t.seed,
+        "num_workers": t.num_workers, "grad_accum": t.grad_accum, "zero_stage": t.zero_stage,
+    }
+    job = TrainJob(
+        train=t.model_dump(), drafter_config=drafter_cfg.to_dict(), heads_path=str(heads.resolve()),
+        vocab_path=str(vocab_path.resolve()), out_dir=str(out.resolve()), total_steps=total,
+        identity=identity,
+    )
+    print(
+        f"[train] {len(store)} samples, {store.num_tokens:,} tokens -> {len(packs)} packs over {t.epochs} "
+        f"epoch(s) (padding efficiency {padding_efficiency(packs, t.batch_tokens):.1%}); {total} optimizer "
+        f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
+        f"draft vocab {drafter_cfg.draft_vocab_size}",
+        flush=True,
+    )
+    return job, packs, store
+
+
+def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: str | Path) -> Path:
+    """Train; returns the directory of the final checkpoint."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from eagle3_ray.train.data import build_train_dataset
+    from eagle3_ray.train.loop import train_func
+
+    t0 = time.monotonic()
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, out)
+    job, packs, _ = plan_training(cfg, features, vocab, out)
+    job.use_gpu = _use_gpu(cfg)
+    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config=asdict(job),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=job.use_gpu),
+        run_config=ray.train.RunConfig(
+            name=f"{cfg.name}-train",
+            storage_path=str(storage),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        ),
+        datasets={"train": dataset},
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise result.error
+    ckpt = latest_checkpoint(storage)
+    if ckpt is None:
+        raise CheckpointError(f"training finished without a checkpoint under {storage}")
+    summary = {"checkpoint": str(ckpt), "metrics": result.metrics, "seconds": round(time.monotonic() - t0, 1)}
+    write_json(out / "summary.json", summary)
+    print(f"[train] done: checkpoint {ckpt}", flush=True)
+    return ckpt

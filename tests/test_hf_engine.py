@@ -1,0 +1,182 @@
+"""HFEngine: captured states are exactly HF's hidden_states / lm_head input; generation is greedy-exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.engines.base import TargetEngine
+from eagle3_ray.engines.hf import HFEngine, cut_at_eos, plan_groups
+from eagle3_ray.errors import ConfigError, EngineError
+
+_SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+RANDOM_CONFIGS = {
+    "qwen2": dict(_SMALL, model_type="qwen2", tie_word_embeddings=True),
+    "deepseek_v3": dict(
+        _SMALL, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        tie_word_embeddings=False,
+    ),
+}
+SEQS = [[1, 17, 300, 4000, 9, 9, 120], [5, 6], [7] * 13, [49151, 0, 42]]
+
+
+def _random_spec(tmp_path_factory, model_type: str) -> str:
+    if model_type == "llama":
+        return "random:builtin:tiny-llama"
+    path = tmp_path_factory.mktemp(model_type) / "config.json"
+    path.write_text(json.dumps(RANDOM_CONFIGS[model_type]))
+    return f"random:{path}"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "deepseek_v3"])
+def engine(request, tmp_path_factory, smollm2_dir):
+    eng = HFEngine(TargetConfig(model=_random_spec(tmp_path_factory, request.param), seed=3), device="cpu")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_dir):
+    eng = HFEngine(TargetConfig(model=str(smollm2_dir)), device="cpu")
+    yield eng
+    eng.close()
+
+
+def _reference(model, ids: list[int], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent full CausalLM forward: HF hidden_states[k] and the lm_head input (by hook)."""
+    seen = {}
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.setdefault("x", args[0]))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    aux = torch.cat([out.hidden_states[k][0] for k in aux_layers], dim=-1)  # [T, 3H]
+    return aux, seen["x"][0]  # [T, H]
+
+
+def _assert_capture_matches(eng: HFEngine, seqs: list[list[int]]) -> None:
+    caps = eng.capture(seqs)
+    assert len(caps) == len(seqs)
+    for ids, cap in zip(seqs, caps):
+        aux, last = _reference(eng.target.model, ids, eng.info.aux_layers)
+        assert cap.aux_hidden.shape == (len(ids), 3 * eng.info.hidden_size)
+        assert cap.last_hidden.shape == (len(ids), eng.info.hidden_size)
+        assert cap.aux_hidden.device.type == "cpu" and cap.aux_hidden.dtype == torch.float32
+        torch.testing.assert_close(cap.aux_hidden, aux, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(cap.last_hidden, last, atol=1e-5, rtol=1e-4)
+
+
+def test_engine_implements_protocol_with_default_aux_layers(engine):
+    assert isinstance(engine, TargetEngine)
+    assert engine.info.num_layers == 8
+    assert engine.info.aux_layers == [2, 4, 5]  # [2, L//2, L-3]
+    assert engine.info.hidden_size == 64 and engine.info.vocab_size == 49152
+    assert engine.info.dtype == "float32"
+
+
+def test_capture_equals_hf_hidden_states_and_lm_head_input(engine):
+    _assert_capture_matches(engine, SEQS)
+
+
+def test_capture_with_configured_aux_layers(tmp_path_factory, smollm2_dir):
+    eng = HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=[1, 3, 7]), device="cpu")
+    assert eng.info.aux_layers == [1, 3, 7]
+    _assert_capture_matches(eng, SEQS[:2])
+
+
+def test_batching_and_padding_do_not_change_results(engine):
+    alone = [engine.capture([s])[0] for s in SEQS]
+    engine.batch_tokens = 16  # forces several padded groups, and the 13-token sequence nearly alone
+    try:
+        batched = engine.capture(SEQS)
+    finally:
+        engine.batch_tokens = 8192
+    for a, b, ids in zip(alone, batched, SEQS):
+        assert b.aux_hidden.shape[0] == len(ids)
+        torch.testing.assert_close(b.aux_hidden, a.aux_hidden, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=1e-5, rtol=1e-4)
+
+
+def test_plan_groups_respects_budget_and_covers_every_index():
+    lengths = [5, 40, 3, 3, 12, 100, 7]
+    groups = plan_groups(lengths, batch_tokens=30)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert lengths[g[0]] == longest
+        assert len(g) * longest <= 30 or len(g) == 1
+    assert [5] in groups and [1] in groups  # longer than the budget: alone
+    assert plan_groups([4, 4, 4], batch_tokens=8) == [[0, 1], [2]]  # ties keep input order
+
+
+def test_out_of_range_aux_layers_raise_config_error(smollm2_dir):
+    with pytest.raises(ConfigError, match=r"\[1, 8\]"):
+        HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=[2, 4, 9]), device="cpu")
+
+
+def test_capture_rejects_bad_token_ids(engine):
+    with pytest.raises(EngineError, match="49152"):
+        engine.capture([[1, 2], [49152]])
+    with pytest.raises(EngineError, match="non-empty"):
+        engine.capture([[]])
+    with pytest.raises(EngineError, match="batch_tokens"):
+        HFEngine(TargetConfig(model="random:builtin:tiny-llama"), batch_tokens=0)
+
+
+def test_greedy_generate_equals_per_prompt_generate(engine):
+    prompts = [[1, 17, 300, 4000], [5, 6], [7, 8, 9, 10, 11, 12]]
+    got = engine.generate(prompts, max_new_tokens=6)
+    model = engine.target.model
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2)
+        assert out == cut_at_eos(ref[0, len(prompt):].tolist(), {2})
+
+
+def test_sampling_is_seeded_and_leaves_global_rng_alone(engine):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = engine.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert a == engine.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=7)
+    assert a != engine.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=8)
+    with pytest.raises(EngineError, match="temperature"):
+        engine.generate([[1]], max_new_tokens=4, temperature=-1.0)
+
+
+def test_cut_at_eos_keeps_first_eos_and_drops_padding():
+    assert cut_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
+    assert cut_at_eos([5, 2, 7, 9], {2, 9}) == [5, 2]
+    assert cut_at_eos([5, 6], {2}) == [5, 6]
+
+
+def test_smollm2_capture_is_exact_with_default_layers(smol_engine):
+    tok = smol_engine.tokenizer
+    assert smol_engine.info.aux_layers == [2, 15, 27]
+    texts = ["The capital of France is", "def fib(n):\n    return"]
+    seqs = [tok(t)["input_ids"] for t in texts]
+    _assert_capture_matches(smol_engine, seqs)
+
+
+def test_smollm2_batched_chat_generation_matches_and_stops_at_im_end(smol_engine):
+    tok = smol_engine.tokenizer
+    assert tok.eos_token == "<|im_end|>" and smol_engine.eos_ids == {2}
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+        for q in ("What is 2+2?", "Write a long poem about the sea.")
+    ]
+    got = smol_engine.generate(prompts, max_new_tokens=16)
+    assert got[0][-1] == 2 and 2 not in got[0][:-1]  # stopped at <|im_end|> and kept it
+    assert len(got[1]) == 16 and 2 not in got[1]  # unfinished: no pad (= <|im_end|>) tokens
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            ref = smol_engine.target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        assert out == cut_at_eos(ref[0, len(prompt):].tolist(), {2})

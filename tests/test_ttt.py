@@ -1,0 +1,230 @@
+"""TTT loss: the attention mask, a loop-by-loop reference, overfitting, and packing invariance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eagle3_ray.drafter import DrafterConfig, Eagle3Drafter, ttt_attention_mask, ttt_forward
+
+H, HT, VOCAB, DRAFT = 16, 16, 40, 24
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: extra threads only fight over the shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _drafter(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
+        vocab_size=VOCAB, draft_vocab_size=DRAFT, target_hidden_size=HT, aux_layers=[2, 3, 4], rms_norm_eps=1e-5,
+    )
+    d = Eagle3Drafter(cfg)
+    d.bind_embedding(torch.randn(VOCAB, H))
+    # A random sorted draft vocab, so d2t/t2d are not the identity.
+    target_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    d.set_vocab_map(target_ids - torch.arange(DRAFT), t2d)
+    return d
+
+
+def _lm_head(d: Eagle3Drafter, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    """Random target lm_head whose argmax mostly, not always, falls in the draft vocab."""
+    w = torch.randn(VOCAB, HT, generator=torch.Generator().manual_seed(seed)) * scale
+    w[~d.t2d] *= 0.5
+    return w
+
+
+def _sample(t: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (t,), generator=g),
+        "aux_hidden": torch.randn(t, 3 * HT, generator=g),
+        "last_hidden": torch.randn(t, HT, generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.2).long(),
+    }
+
+
+def _pack(samples: list[dict[str, torch.Tensor]], pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """One packed row (B=1), the layout the training loop feeds; -1 seq ids mark padding."""
+    parts = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+    parts["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
+    parts["seq_ids"] = torch.cat([torch.full((len(s["input_ids"]),), i) for i, s in enumerate(samples)])
+    n = len(parts["input_ids"])
+    if pad_to is not None and pad_to > n:
+        fill = {"seq_ids": -1}
+        parts = {
+            k: torch.cat([v, torch.full((pad_to - n, *v.shape[1:]), fill.get(k, 0), dtype=v.dtype)])
+            for k, v in parts.items()
+        }
+    return {k: v[None] for k, v in parts.items()}
+
+
+def test_mask_pattern_single_sample():
+    expected = torch.tensor(
+        [
+            # step-0 keys  step-1 keys  step-2 keys
+            [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+            [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+            [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    seq = torch.zeros(1, 4, dtype=torch.long)
+    for step in range(3):
+        mask = ttt_attention_mask(seq, step)
+        assert mask.shape == (1, 1, 4, 4 * (step + 1))
+        assert torch.equal(mask[0, 0], expected[:, : 4 * (step + 1)])
+
+
+def test_mask_pattern_two_packed_samples_and_padding():
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+            [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],  # sample 1 starts: sees nothing of sample 0
+            [0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(ttt_attention_mask(torch.tensor([[0, 0, 1, 1]]), 2)[0, 0], expected)
+    padded = ttt_attention_mask(torch.tensor([[0, 0, 1, -1]]), 2)[0, 0]
+    assert padded[3].tolist() == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]  # padding sees only itself
+
+
+def _reference_ttt(d: Eagle3Drafter, batch, w, steps: int, decay: float) -> tuple[float, list[float], list[float]]:
+    """TTT written as explicit loops over steps, rows and positions, attention recomputed per query."""
+    cfg = d.config
+    ids, seq, pos, lm = batch["input_ids"], batch["seq_ids"], batch["position_ids"], batch["loss_mask"]
+    b_n, t_n = ids.shape
+    full = batch["last_hidden"] @ w.T  # [B, T, V]
+    p = full[..., torch.arange(DRAFT) + d.d2t].softmax(-1)
+    in_draft = d.t2d[full.argmax(-1)]
+    a, m = d.midlayer.self_attn, d.midlayer
+    rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=H, num_attention_heads=2, head_dim=8))
+
+    def rms(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    h = batch["aux_hidden"] @ d.fc.weight.T
+    keys: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    total, losses, accs = 0.0, [], []
+    for i in range(steps):
+        queries = {}
+        for b in range(b_n):
+            for t in range(t_n):
+                tok = ids[b, t + 1 + i] if t + 1 + i < t_n else 0
+                x = torch.cat([rms(d.embed_tokens.weight[tok], m.input_layernorm.weight), rms(h[b, t], m.hidden_norm.weight)])
+                q = (a.q_proj.weight @ x).view(1, 2, 1, 8)
+                k = (a.k_proj.weight @ x).view(1, 1, 1, 8)
+                cos, sin = rope(x, pos[b, t].view(1, 1) + i)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                keys[(i, b, t)] = (k.flatten(), a.v_proj.weight @ x)
+                queries[(b, t)] = q.view(2, 8)
+        new_h = torch.zeros_like(h)
+        for b in range(b_n):
+            for t in range(t_n):
+                kv = [keys[(0, b, s)] for s in range(t + 1) if seq[b, s] == seq[b, t]]
+                kv += [keys[(j, b, t)] for j in range(1, i + 1)]
+                ks, vs = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # [S, 8]
+                heads = [torch.softmax(ks @ queries[(b, t)][hd] / math.sqrt(8), 0) @ vs for hd in range(2)]
+                hh = h[b, t] + a.o_proj.weight @ torch.cat(heads)
+                z = rms(hh, m.post_attention_layernorm.weight)
+                new_h[b, t] = hh + m.mlp.down_proj.weight @ (F.silu(m.mlp.gate_proj.weight @ z) * (m.mlp.up_proj.weight @ z))
+        h = new_h
+        ce_sum, hits, n = 0.0, 0, 0
+        for b in range(b_n):
+            for t in range(t_n):
+                u = t + 1 + i
+                if u >= t_n or seq[b, t] < 0 or seq[b, u] != seq[b, t] or not lm[b, t + i] or not in_draft[b, u]:
+                    continue
+                logp = (rms(h[b, t], d.norm.weight) @ d.lm_head.weight.T).log_softmax(-1)
+                ce_sum += float(-(p[b, u] * logp).sum())
+                hits += int(logp.argmax() == p[b, u].argmax())
+                n += 1
+        losses.append(ce_sum / max(n, 1))
+        accs.append(hits / max(n, 1))
+        total += decay**i * losses[-1]
+    return total, losses, accs
+
+
+def test_loss_and_accuracy_equal_loop_reference():
+    d = _drafter()
+    w = _lm_head(d)
+    batch = _pack([_sample(5, 1), _sample(4, 2)], pad_to=11)
+    batch = {k: torch.cat([v, _pack([_sample(11, 3)])[k]]) for k, v in batch.items()}  # B=2
+    with torch.no_grad():
+        out = ttt_forward(d, batch, w, ttt_steps=3, loss_decay=0.8)
+        ref_total, ref_losses, ref_accs = _reference_ttt(d, batch, w, steps=3, decay=0.8)
+    assert out.loss.item() == pytest.approx(ref_total, rel=1e-5)
+    for i in range(3):
+        assert out.metrics[f"loss_{i}"] == pytest.approx(ref_losses[i], rel=1e-5)
+        assert out.metrics[f"acc_{i}"] == pytest.approx(ref_accs[i])
+    assert out.metrics["loss"] == pytest.approx(ref_total, rel=1e-5)
+    accs = [out.metrics[f"acc_{i}"] for i in range(3)]
+    tau = 1 + accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2]
+    assert out.metrics["tau"] == pytest.approx(tau)
+    assert out.metrics["tokens"] == out.metrics["tokens_0"] > out.metrics["tokens_2"] > 0
+
+
+def test_gradients_reach_the_drafter_only():
+    d = _drafter()
+    w = _lm_head(d).requires_grad_(True)
+    batch = _pack([_sample(8, 4)])
+    batch["aux_hidden"].requires_grad_(True)
+    ttt_forward(d, batch, w, ttt_steps=2).loss.backward()
+    assert w.grad is None and batch["aux_hidden"].grad is not None
+    assert d.embed_tokens.weight.grad is None
+    assert all(p.grad is not None for n, p in d.named_parameters() if not n.startswith("embed_tokens"))
+
+
+def test_packing_and_padding_invariance():
+    d = _drafter()
+    w = _lm_head(d)
+    a, b = _sample(7, 5), _sample(5, 6)
+    with torch.no_grad():
+        alone = [ttt_forward(d, _pack([s]), w, ttt_steps=3).metrics for s in (a, b)]
+        packed = ttt_forward(d, _pack([a, b], pad_to=15), w, ttt_steps=3).metrics
+    total = 0.0
+    for i in range(3):
+        na, nb = alone[0][f"tokens_{i}"], alone[1][f"tokens_{i}"]
+        assert packed[f"tokens_{i}"] == na + nb
+        combined = (na * alone[0][f"loss_{i}"] + nb * alone[1][f"loss_{i}"]) / (na + nb)
+        assert packed[f"loss_{i}"] == pytest.approx(combined, rel=1e-5)
+        hits = na * alone[0][f"acc_{i}"] + nb * alone[1][f"acc_{i}"]
+        assert packed[f"acc_{i}"] == pytest.approx(hits / (na + nb))
+        total += 0.8**i * combined
+    assert packed["loss"] == pytest.approx(total, rel=1e-5)
+
+
+def test_drafter_overfits_a_tiny_batch():
+    d = _drafter(seed=3)
+    w = _lm_head(d, seed=3, scale=3.0)
+    batch = _pack([_sample(12, 7), _sample(12, 8)])
+    batch = {k: v.view(2, 12, *v.shape[2:]) for k, v in batch.items()}
+    batch["position_ids"] = torch.arange(12).expand(2, 12)
+    batch["seq_ids"] = torch.zeros(2, 12, dtype=torch.long)
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    first = None
+    for _ in range(100):
+        out = ttt_forward(d, batch, w, ttt_steps=2)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        first = first if first is not None else out.metrics
+    assert out.metrics["acc_0"] > 0.95
+    assert out.metrics["loss_0"] < 0.25 * first["loss_0"]
+    assert out.metrics["tau"] > first["tau"]
