@@ -27,6 +27,9 @@ class SGLangConfig(_Section):
     mem_fraction_static: float | None = Field(None, description="SGLang KV-cache memory fraction.")
     nnodes: int = Field(1, ge=1, description="Nodes one tensor-parallel engine spans.")
     dist_init_addr: str | None = Field(None, description="host:port shared by the nodes of one engine.")
+    capture_dir: str = Field(
+        "/dev/shm", description="Node-local dir where TP rank 0 writes captured features for the engine actor."
+    )
     extra_engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="More sglang.Engine kwargs; settings that break capture are refused.",

@@ -50,7 +50,7 @@ def tiny_llama_config():
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=6,
+        num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

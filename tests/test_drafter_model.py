@@ -35,7 +35,7 @@ LAYOUT = {
 @pytest.fixture()
 def drafter(tiny_llama_config):
     torch.manual_seed(0)
-    cfg = DrafterConfig.from_target(tiny_llama_config, draft_vocab_size=100, aux_layers=[2, 3, 3])
+    cfg = DrafterConfig.from_target(tiny_llama_config, draft_vocab_size=100, aux_layers=[2, 4, 5])
     d = Eagle3Drafter(cfg)
     with torch.no_grad():
         for p in d.parameters():

@@ -86,7 +86,7 @@ def test_capture_equals_hf_hidden_states_and_lm_head_input(engine):
     _assert_capture_matches(engine, SEQS)
 
 
-def test_capture_with_configured_aux_layers(tmp_path_factory, smollm2_dir):
+def test_capture_with_configured_aux_layers(smollm2_dir):
     eng = HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=[1, 3, 7]), device="cpu")
     assert eng.info.aux_layers == [1, 3, 7]
     _assert_capture_matches(eng, SEQS[:2])

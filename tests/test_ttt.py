@@ -228,3 +228,47 @@ def test_drafter_overfits_a_tiny_batch():
     assert out.metrics["acc_0"] > 0.95
     assert out.metrics["loss_0"] < 0.25 * first["loss_0"]
     assert out.metrics["tau"] > first["tau"]
+
+
+def test_ttt_learns_on_real_smollm2_features(smollm2):
+    """Real target states: aux layers [2, L//2, L-3] and the post-norm last state of SmolLM2."""
+    model, tok = smollm2
+    ids = tok("The quick brown fox jumps over the lazy dog, and the dog sleeps on.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    n_layers = model.config.num_hidden_layers
+    aux_layers = [2, n_layers // 2, n_layers - 3]
+    last = out.hidden_states[-1]  # [1, T, Ht], post final norm: the lm_head input
+    torch.testing.assert_close(last @ model.lm_head.weight.T, out.logits, atol=1e-3, rtol=1e-3)
+
+    cfg = DrafterConfig.from_target(model.config, 512, aux_layers, {"intermediate_size": 256})
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    d.bind_embedding(model.get_input_embeddings())
+    # Draft vocab: every token the target predicts here (from the bf16 features), filled up to 512.
+    predicted = (last.bfloat16().float() @ model.lm_head.weight.T).argmax(-1).flatten()
+    fill = torch.arange(512)[~torch.isin(torch.arange(512), predicted)]
+    draft_ids = torch.cat([predicted.unique(), fill])[:512].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    d.set_vocab_map(draft_ids - torch.arange(512), t2d)
+    t = ids.shape[1]
+    batch = {
+        "input_ids": ids,
+        "aux_hidden": torch.cat([out.hidden_states[k] for k in aux_layers], dim=-1).bfloat16(),
+        "last_hidden": last.bfloat16(),
+        "loss_mask": torch.ones(1, t, dtype=torch.long),
+        "position_ids": torch.arange(t)[None],
+        "seq_ids": torch.zeros(1, t, dtype=torch.long),
+    }
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    history = []
+    for _ in range(20):
+        res = ttt_forward(d, batch, model.lm_head.weight, ttt_steps=3)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+        history.append(res.metrics)
+    assert history[0]["tokens"] == t - 1  # step 0: every position but the last has a target state
+    assert history[-1]["loss"] < 0.5 * history[0]["loss"]
+    assert history[-1]["acc_0"] > history[0]["acc_0"]

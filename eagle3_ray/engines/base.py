@@ -21,11 +21,13 @@ def default_aux_layers(num_layers: int) -> list[int]:
 def resolve_aux_layers(aux_layers: Sequence[int] | None, num_layers: int) -> list[int]:
     """Config ids (or the default) checked against the target depth."""
     ids = list(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
-    bad = [k for k in ids if not 1 <= k <= num_layers]
+    # hidden_states[L] is post-final-norm in transformers but the raw residual in SGLang/vLLM: the
+    # last usable aux state is L-1, so every backend captures the same tensor.
+    bad = [k for k in ids if not 1 <= k <= num_layers - 1]
     if bad or len(ids) != 3 or sorted(set(ids)) != ids:
         raise ConfigError(
             f"target.aux_layers={ids} is invalid for a target with {num_layers} layers: give 3 strictly "
-            f"increasing HF hidden_states indices in [1, {num_layers}] (default "
+            f"increasing HF hidden_states indices in [1, {num_layers - 1}] (default "
             f"{default_aux_layers(num_layers)})"
         )
     return ids

@@ -13,6 +13,7 @@ safetensors HF directory under the cache (``cache_dir``, else ``$EAGLE3_RAY_CACH
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -108,8 +109,15 @@ def gguf_to_hf_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
     dest = cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{gguf_key(gguf)}"
     if dest.is_dir():
         return dest
-    log.info("converting %s to safetensors under %s (once; later loads reuse it)", gguf, dest)
-    return publish_dir(dest, lambda tmp: _convert_gguf(gguf, tmp))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # The lock only saves duplicate work (N actors starting together would each dequantize);
+    # correctness rests on publish_dir's atomic rename, which also holds where flock does not.
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if dest.is_dir():
+            return dest
+        log.info("converting %s to safetensors under %s (once; later loads reuse it)", gguf, dest)
+        return publish_dir(dest, lambda tmp: _convert_gguf(gguf, tmp))
 
 
 def publish_dir(dest: Path, build: Callable[[Path], None]) -> Path:

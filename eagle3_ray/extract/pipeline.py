@@ -180,9 +180,9 @@ def _store_totals(root: Path) -> tuple[int, int, int]:
 
     entries = manifest(root)
     return (
-        sum(len(e.sample_ids) for e in entries),
-        sum(e.tokens for e in entries),
-        sum(e.bytes for e in entries),
+        sum(len(e["sample_ids"]) for e in entries),
+        sum(int(e["tokens"]) for e in entries),
+        sum(int(e["bytes"]) for e in entries),
     )
 
 

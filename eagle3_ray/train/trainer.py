@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import CheckpointError, StoreError
-from eagle3_ray.train.checkpoint import latest_checkpoint, write_json
+from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 
 VOCAB_FILE = "vocab_map.safetensors"
 
@@ -116,8 +116,12 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     save_resolved(cfg, out)
     job, packs, _ = plan_training(cfg, features, vocab, out)
     job.use_gpu = _use_gpu(cfg)
-    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
+    previous = latest_checkpoint(storage) if storage.is_dir() else None
+    if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
+        check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
+        print(f"[train] resuming from {previous}", flush=True)
+    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
     trainer = TorchTrainer(
         train_func,
         train_loop_config=asdict(job),

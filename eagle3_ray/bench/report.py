@@ -1,0 +1,286 @@
+"""``report.md`` and its PNG plots from a benchmark's results.json (and the training metrics.jsonl).
+
+Plots are drawn on ``matplotlib.figure.Figure`` objects saved through the Agg canvas: no pyplot, so
+no global backend state and no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from eagle3_ray.errors import DataError
+
+REPORT_NAME = "report.md"
+TAU_PLOT = "tau_by_category.png"
+ACCEPT_PLOT = "accept_by_position.png"
+TRAINING_PLOT = "training_curves.png"
+THROUGHPUT_PLOT = "throughput.png"
+DPI = 120
+PEERS = ("prompt_lookup", "untrained")  # compared with the modes but not modes of the trained drafter
+
+
+def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_path: str | Path | None = None) -> Path:
+    """Write ``report.md`` plus its plots into ``out_dir``; returns the report's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    training = read_train_metrics(train_metrics_path) if train_metrics_path else []
+    sections = [
+        _header(results),
+        _summary_section(results),
+        _category_section(results),
+        _acceptance_section(results),
+        _untrained_section(results),
+        _training_section(training),
+    ]
+    _plot_throughput(results, out / THROUGHPUT_PLOT)
+    _plot_tau_by_category(results, out / TAU_PLOT)
+    _plot_accept_by_position(results, out / ACCEPT_PLOT)
+    if training:
+        _plot_training(training, out / TRAINING_PLOT)
+    path = out / REPORT_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n\n".join(s for s in sections if s) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def read_train_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Logged training rows sorted by step; a step logged twice (resumed run) keeps its last row."""
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"training metrics {file} does not exist; pass the metrics.jsonl of a training run")
+    rows: dict[int, dict[str, Any]] = {}
+    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}:{lineno}: malformed JSON ({e.msg}); fix or delete the line") from e
+        if not isinstance(row, dict) or "step" not in row or "loss" not in row:
+            raise DataError(f"{file}:{lineno}: a metrics line needs 'step' and 'loss', got {line[:80]!r}")
+        rows[int(row["step"])] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+# --- labels and numbers -----------------------------------------------------------------------------
+
+
+def _kinds(results: dict[str, Any]) -> list[str]:
+    """Modes of the trained drafter, then the peers that were run."""
+    return list(results.get("tau", {})) + [p for p in PEERS if results.get(p)]
+
+
+def _entry(results: dict[str, Any], kind: str) -> dict[str, Any]:
+    if kind in PEERS or kind == "baseline":
+        return results.get(kind) or {}
+    return (results.get("modes") or {}).get(kind) or {
+        "tau": results["tau"].get(kind),
+        "tokens_per_s": results["tokens_per_s"].get(kind),
+        "speedup": results["speedup"].get(kind),
+        "accept_by_position": (results.get("accept_by_position") or {}).get(kind, []),
+    }
+
+
+def _label(results: dict[str, Any], kind: str) -> str:
+    b = (results.get("config") or {}).get("bench") or {}
+    details = {
+        "baseline": "target only",
+        "chain": f"K={b['num_steps']}" if "num_steps" in b else "",
+        "tree": f"top-{b['topk']}, depth {b['depth']}, {b['total_tokens']} tokens" if "topk" in b else "",
+        "prompt_lookup": "peer, no drafter",
+        "untrained": "chain, untrained drafter",
+    }.get(kind, "")
+    return f"{kind} ({details})" if details else kind
+
+
+def _num(value: Any, fmt: str = "{:.2f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+# --- sections ---------------------------------------------------------------------------------------
+
+
+def _header(results: dict[str, Any]) -> str:
+    cfg = results.get("config") or {}
+    b = cfg.get("bench") or {}
+    lines = [
+        "# EAGLE-3 speculative decoding benchmark",
+        "",
+        f"- target: `{results.get('target')}` on `{results.get('device')}`",
+        f"- drafter: `{results.get('drafter')}`",
+        f"- prompts: `{cfg.get('prompts', '?')}`, {results.get('num_prompts', '?')} prompts, "
+        f"{results.get('num_turns', '?')} turns",
+    ]
+    if b:
+        lines.append(f"- max_new_tokens {b.get('max_new_tokens')}, temperature {b.get('temperature')}")
+    lines += [
+        "",
+        "tau = tokens per target verify forward, counting the bonus token (1 = no draft accepted). "
+        "Speedup = tokens/s over plain target generation on the same turns in the same run "
+        "(see docs/bench.md).",
+    ]
+    return "\n".join(lines)
+
+
+def _summary_section(results: dict[str, Any]) -> str:
+    rows = []
+    for kind in ["baseline", *_kinds(results)]:
+        e = _entry(results, kind)
+        speedup = 1.0 if kind == "baseline" else e.get("speedup")
+        identical = e.get("identical_to_baseline")
+        rows.append([
+            _label(results, kind),
+            "–" if kind == "baseline" else _num(e.get("tau")),
+            _num(e.get("tokens_per_s"), "{:.1f}"),
+            _num(speedup, "{:.2f}x"),
+            "" if kind == "baseline" else _num(identical, "{:.0%}"),
+        ])
+    table = _table(["mode", "tau", "tokens/s", "speedup", "output = baseline"], rows)
+    return f"## Summary\n\n{table}\n\n![throughput]({THROUGHPUT_PLOT})"
+
+
+def _category_section(results: dict[str, Any]) -> str:
+    per_cat = results.get("per_category") or {}
+    if not per_cat:
+        return ""
+    kinds = _kinds(results)
+    header = ["category"] + [f"{k} {col}" for k in kinds for col in ("tau", "speedup")]
+    rows = []
+    for cat, by_kind in per_cat.items():
+        row = [cat]
+        for k in kinds:
+            e = by_kind.get(k) or {}
+            row += [_num(e.get("tau")), _num(e.get("speedup"), "{:.2f}x")]
+        rows.append(row)
+    return f"## Per category\n\n{_table(header, rows)}\n\n![tau by category]({TAU_PLOT})"
+
+
+def _acceptance_section(results: dict[str, Any]) -> str:
+    curves = {k: _entry(results, k).get("accept_by_position") or [] for k in _kinds(results)}
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return ""
+    width = max(len(v) for v in curves.values())
+    rows = [[_label(results, k)] + [_num(v[i], "{:.0%}") if i < len(v) else "" for i in range(width)]
+            for k, v in curves.items()]
+    table = _table(["mode"] + [f"≥{i + 1}" for i in range(width)], rows)
+    intro = "Share of verify steps that accepted at least i draft tokens."
+    return f"## Acceptance by draft position\n\n{intro}\n\n{table}\n\n![acceptance by position]({ACCEPT_PLOT})"
+
+
+def _untrained_section(results: dict[str, Any]) -> str:
+    untrained = results.get("untrained")
+    trained = (results.get("modes") or {}).get("chain")
+    if not untrained or not trained:
+        return ""
+    rows = [
+        [name, _num(e.get("tau")), _num(e.get("tokens_per_s"), "{:.1f}"), _num(e.get("speedup"), "{:.2f}x")]
+        for name, e in (("trained", trained), ("untrained (seeded random)", untrained))
+    ]
+    gain = "–"
+    if trained.get("tau") and untrained.get("tau"):
+        gain = f"{trained['tau'] - untrained['tau']:+.2f}"
+    table = _table(["chain drafter", "tau", "tokens/s", "speedup"], rows)
+    return f"## Trained vs untrained drafter\n\n{table}\n\nTraining changed tau by {gain}."
+
+
+def _training_section(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    last = rows[-1]
+    accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k.split("_")[1]))
+    table = _table(
+        ["step", "loss", "simulated tau", *accs, "lr", "tokens/s"],
+        [[str(last["step"]), _num(last.get("loss"), "{:.3f}"), _num(last.get("tau")),
+          *[_num(last[a], "{:.2f}") for a in accs], _num(last.get("lr"), "{:.2e}"),
+          _num(last.get("tokens_per_s"), "{:,.0f}")]],
+    )
+    intro = (
+        f"Final logged step of {len(rows)}. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
+        "accuracies; compare it with the measured chain/tree tau above."
+    )
+    return f"## Training\n\n{intro}\n\n{table}\n\n![training curves]({TRAINING_PLOT})"
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+
+def _save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+
+
+def _plot_throughput(results: dict[str, Any], path: Path) -> None:
+    kinds = ["baseline", *_kinds(results)]
+    tps = [_entry(results, k).get("tokens_per_s") or 0.0 for k in kinds]
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.add_subplot()
+    bars = ax.bar(kinds, tps, color=["0.6"] + [f"C{i}" for i in range(len(kinds) - 1)])
+    for kind, bar in zip(kinds, bars):
+        speedup = 1.0 if kind == "baseline" else _entry(results, kind).get("speedup")
+        ax.annotate(_num(speedup, "{:.2f}x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
+    ax.set_ylabel("tokens/s (label: speedup)")
+    ax.set_title(f"Decoding throughput on {results.get('device')}")
+    ax.margins(y=0.15)
+    _save(fig, path)
+
+
+def _plot_tau_by_category(results: dict[str, Any], path: Path) -> None:
+    per_cat = results.get("per_category") or {}
+    cats = list(per_cat)
+    kinds = [k for k in _kinds(results) if any((per_cat[c].get(k) or {}).get("tau") is not None for c in cats)]
+    fig = Figure(figsize=(max(6.0, 1.1 * len(cats) + 2), 4))
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(kinds), 1)
+    for i, kind in enumerate(kinds):
+        taus = [(per_cat[c].get(kind) or {}).get("tau") or 0.0 for c in cats]
+        ax.bar([x + (i - (len(kinds) - 1) / 2) * width for x in range(len(cats))], taus, width, label=kind,
+               color=f"C{i}")
+    ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_ylabel("tau (tokens per verify step)")
+    ax.set_title("Acceptance length by category")
+    ax.margins(y=0.2)  # headroom for the legend row
+    ax.legend(fontsize="small", ncols=max(len(kinds), 1), loc="upper center")
+    _save(fig, path)
+
+
+def _plot_accept_by_position(results: dict[str, Any], path: Path) -> None:
+    fig = Figure(figsize=(6, 3.8))
+    ax = fig.add_subplot()
+    for i, kind in enumerate(_kinds(results)):
+        curve = _entry(results, kind).get("accept_by_position") or []
+        if curve:
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=kind, color=f"C{i}")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("verify steps accepting ≥ i drafts")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("Acceptance by draft position")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+def _plot_training(rows: list[dict[str, Any]], path: Path) -> None:
+    steps = [r["step"] for r in rows]
+    fig = Figure(figsize=(10, 3.2))
+    for i, (key, title) in enumerate((("loss", "loss"), ("tau", "simulated tau"), ("acc_0", "acc_0 (first draft)"))):
+        ax = fig.add_subplot(1, 3, i + 1)
+        points = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), color=f"C{i}")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+    _save(fig, path)

@@ -1,0 +1,338 @@
+"""SGLang target engine: tensor-parallel hidden-state capture and generation. No Ray in here.
+
+One ``sglang.Engine`` per node, created inside the (Ray) process that owns its ``tp_size`` GPUs;
+SGLang spawns its TP scheduler processes itself. Capture needs no fork of SGLang: a forward hook
+on ``logits_processor`` (``engines/sglang_hooks.py``) writes each request's features from TP rank 0
+to node-local shared memory, and ``SGLangEngine.capture`` reads, checks and deletes them.
+
+``engine_kwargs`` returns the exact ``sglang.Engine`` kwargs of each mode, so they can be read and
+are tested against SGLang's own ``ServerArgs``. SGLang is imported lazily: ``eagle3_ray`` imports
+without it. Facts about SGLang 0.5.23 behind each setting: docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+from safetensors import safe_open
+
+from eagle3_ray.config import BenchConfig, TargetConfig
+from eagle3_ray.drafter.export import translate_aux_ids
+from eagle3_ray.engines.base import Capture, EngineInfo
+from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, capture_path
+from eagle3_ray.errors import ConfigError, EngineError
+
+Mode = Literal["capture", "generate", "spec"]
+MODES: tuple[str, ...] = ("capture", "generate", "spec")
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = f"pip install 'eagle3-ray[sglang]' (sglang=={SGLANG_VERSION}, needs CUDA GPUs)"
+HOOK_NAME = "eagle3_ray_capture"
+
+# One forward per request, nothing decoded: max_new_tokens=0 returns no output at all.
+CAPTURE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+
+# Settings the capture mode forces, each with what breaks without it.
+CAPTURE_FORCED: dict[str, tuple[Any, str]] = {
+    "disable_radix_cache": (True, "a prefix-cache hit skips the cached rows, so a sample loses tokens"),
+    "chunked_prefill_size": (-1, "chunked prefill splits one sample over several forwards"),
+    "disable_cuda_graph": (True, "CUDA graph replay never runs Python forward hooks"),
+    "enable_return_aux_hidden_states": (True, "the model only hands aux states to logits_processor with it"),
+    "speculative_algorithm": ("EAGLE3", "it names the aux capture convention (no draft is loaded)"),
+}
+
+# Server settings that capture cannot work with, whatever their value elsewhere.
+_CAPTURE_REFUSED: dict[str, tuple[Any, str]] = {
+    "pp_size": (1, "aux capture needs pp_size == 1 (SGLang refuses it otherwise)"),
+    "dp_size": (1, "TP rank 0 of one engine writes the features; scale with more engine actors"),
+    "attn_dp_size": (1, "with attention DP, TP rank 0 does not see every request"),
+    "enable_dp_attention": (False, "with attention DP, TP rank 0 does not see every request"),
+    "enable_layernorm_sp": (False, "the hook would see sequence-sharded hidden states"),
+    "enable_mixed_chunk": (False, "mixed batches interleave decode rows with prompt rows"),
+    "cuda_graph_config": (None, "it overrides disable_cuda_graph, and graph replay skips the hook"),
+    "cuda_graph_backend_prefill": (None, "it overrides disable_cuda_graph, and graph replay skips the hook"),
+    "cuda_graph_backend_decode": (None, "it overrides disable_cuda_graph, and graph replay skips the hook"),
+    "forward_hooks": (None, "the capture hook is set by eagle3_ray"),
+    "return_aux_hidden_state_layer_ids": (None, "set target.aux_layers instead (HF hidden_states indices)"),
+    "speculative_draft_model_path": (None, "capture runs the target alone"),
+}
+
+# Keys owned by TargetConfig fields in every mode.
+_MANAGED = {
+    "model_path": "target.model",
+    "tp_size": "target.tp_size",
+    "dtype": "target.dtype",
+    "nnodes": "target.sglang.nnodes",
+    "dist_init_addr": "target.sglang.dist_init_addr",
+    "node_rank": "the engine actor's node (one engine per node)",
+    "mem_fraction_static": "target.sglang.mem_fraction_static",
+    "skip_tokenizer_init": "nothing (the engine takes and returns token ids)",
+    "sampling_defaults": "nothing (unset sampling knobs stay neutral)",
+    "load_format": "target.model ('random:<config>' loads dummy weights)",
+}
+
+
+def import_sglang():
+    try:
+        import sglang
+    except ImportError as e:
+        raise EngineError(f"target.backend='sglang' needs SGLang: {INSTALL_HINT} ({e})") from e
+    return sglang
+
+
+def sglang_aux_ids(aux_layers: Sequence[int], model_type: str, num_layers: int) -> list[int]:
+    """HF hidden_states indices -> the ids SGLang's ``set_eagle3_layers_to_capture`` expects.
+
+    The per-architecture rules live in ``eagle3_ray.drafter.export.translate_aux_ids`` (shared with
+    export). SGLang captures the *input* of a decoder layer, so index ``num_layers`` (the output of
+    the last layer, before the final norm) has no layer to capture it at.
+    """
+    ks = list(aux_layers)
+    if max(ks) >= num_layers:
+        raise ConfigError(
+            f"target.aux_layers={ks}: SGLang captures the input of a decoder layer, so HF index "
+            f"{num_layers} (the last layer's output) cannot be captured for a {num_layers}-layer target; "
+            f"use indices <= {num_layers - 1} (default [2, L//2, L-3])"
+        )
+    return translate_aux_ids(ks, model_type, "sglang")
+
+
+def _dtype(target: TargetConfig) -> str:
+    # "auto" matches the HF backend on GPU (bf16); SGLang's own "auto" would follow the checkpoint.
+    return "bfloat16" if target.dtype == "auto" else target.dtype
+
+
+def _model_source(target: TargetConfig) -> dict[str, Any]:
+    from eagle3_ray.engines.targets import resolve_target
+
+    resolved = resolve_target(target.model, target.cache_dir)
+    if resolved.model_path is None:  # random:<config>: SGLang builds it with dummy weights
+        return {"model_path": str(Path(resolved.config_source).parent), "load_format": "dummy"}
+    return {"model_path": str(resolved.model_path)}
+
+
+def _base_kwargs(target: TargetConfig, node_rank: int) -> dict[str, Any]:
+    sg = target.sglang
+    kw: dict[str, Any] = {
+        **_model_source(target),
+        "tp_size": target.tp_size,
+        "dtype": _dtype(target),
+        "skip_tokenizer_init": True,
+        # Unset sampling knobs stay neutral instead of following generation_config.json
+        # (top_k, repetition_penalty, ...), which would skew self-distilled answers.
+        "sampling_defaults": "openai",
+    }
+    if sg.nnodes > 1:
+        if not sg.dist_init_addr:
+            raise ConfigError(
+                f"target.sglang.nnodes={sg.nnodes} needs target.sglang.dist_init_addr (host:port of node 0, "
+                "shared by every node of the engine)"
+            )
+        if not 0 <= node_rank < sg.nnodes:
+            raise ConfigError(f"node_rank={node_rank} must lie in [0, target.sglang.nnodes={sg.nnodes})")
+        kw.update(nnodes=sg.nnodes, node_rank=node_rank, dist_init_addr=sg.dist_init_addr)
+    if sg.mem_fraction_static is not None:
+        kw["mem_fraction_static"] = sg.mem_fraction_static
+    return kw
+
+
+def check_extra_kwargs(extra: dict[str, Any], mode: Mode) -> None:
+    """Refuse ``target.sglang.extra_engine_kwargs`` that another field owns or that break ``mode``."""
+    for key in extra:
+        if key in _MANAGED:
+            raise ConfigError(f"target.sglang.extra_engine_kwargs.{key}: set it through {_MANAGED[key]}")
+    if mode != "capture":
+        return
+    for key, value in extra.items():
+        if key in CAPTURE_FORCED and value != CAPTURE_FORCED[key][0]:
+            want, why = CAPTURE_FORCED[key]
+            raise ConfigError(
+                f"target.sglang.extra_engine_kwargs.{key}={value!r} breaks hidden-state capture ({why}); "
+                f"capture forces {key}={want!r}: remove it"
+            )
+        if key in _CAPTURE_REFUSED and value != _CAPTURE_REFUSED[key][0]:
+            want, why = _CAPTURE_REFUSED[key]
+            raise ConfigError(
+                f"target.sglang.extra_engine_kwargs.{key}={value!r} breaks hidden-state capture ({why}); "
+                f"remove it or set {key}={want!r}"
+            )
+
+
+def _spec_kwargs(drafter_dir: str | Path | None, bench: BenchConfig | None) -> dict[str, Any]:
+    if drafter_dir is None or bench is None:
+        raise ConfigError("mode='spec' needs drafter_dir (an exported drafter) and the bench config")
+    if "tree" in bench.modes:
+        steps, topk, tokens = bench.depth, bench.topk, bench.total_tokens
+    else:  # a chain verifies its K drafts plus the bonus token
+        steps, topk, tokens = bench.num_steps, 1, bench.num_steps + 1
+    return {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": str(drafter_dir),
+        "speculative_num_steps": steps,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": tokens,
+    }
+
+
+def _capture_kwargs(target: TargetConfig, info: EngineInfo, capture_dir: str | Path | None) -> dict[str, Any]:
+    if capture_dir is None:
+        raise ConfigError("mode='capture' needs capture_dir (where the hook writes features)")
+    hook = {
+        "name": HOOK_NAME,
+        "target_modules": ["logits_processor"],
+        "hook_factory": FACTORY_PATH,
+        "config": {"dir": str(capture_dir), "tp_size": target.tp_size},
+    }
+    return {
+        **{k: v for k, (v, _) in CAPTURE_FORCED.items()},
+        "return_aux_hidden_state_layer_ids": sglang_aux_ids(info.aux_layers, info.model_type, info.num_layers),
+        "forward_hooks": [hook],
+    }
+
+
+def engine_kwargs(
+    config: TargetConfig,
+    mode: Mode = "capture",
+    *,
+    info: EngineInfo | None = None,
+    capture_dir: str | Path | None = None,
+    drafter_dir: str | Path | None = None,
+    bench: BenchConfig | None = None,
+    node_rank: int = 0,
+) -> dict[str, Any]:
+    """The exact kwargs given to ``sglang.Engine`` for ``mode``.
+
+    capture: target only, hook + forced settings; generate: plain decoding (prefix cache on);
+    spec: EAGLE-3 speculative decoding with ``drafter_dir`` (shape from ``bench``).
+    ``info`` (aux layers, model type, depth) is read from the target config when not given.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"engine mode {mode!r} is unknown; use one of {MODES}")
+    extra = dict(config.sglang.extra_engine_kwargs)
+    check_extra_kwargs(extra, mode)
+    kw = _base_kwargs(config, node_rank)
+    if mode == "capture":
+        if info is None:
+            from eagle3_ray.engines.describe import describe_target
+
+            info = describe_target(config)
+        kw.update(_capture_kwargs(config, info, capture_dir))
+    elif mode == "spec":
+        kw.update(_spec_kwargs(drafter_dir, bench))
+    return {**kw, **extra}
+
+
+def check_server_args(kwargs: dict[str, Any]) -> None:
+    """Refuse kwargs that are not fields of the installed SGLang's ServerArgs (a msgspec Struct)."""
+    from sglang.srt.server_args import ServerArgs
+
+    unknown = sorted(set(kwargs) - set(ServerArgs.__struct_fields__))
+    if unknown:
+        raise ConfigError(
+            f"sglang.Engine kwargs {unknown} are not ServerArgs fields of the installed SGLang; "
+            f"fix target.sglang.extra_engine_kwargs (eagle3_ray is tested with sglang=={SGLANG_VERSION})"
+        )
+
+
+def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
+    """Load one hook file, check it covers the whole sequence, and delete it."""
+    with safe_open(str(path), framework="pt") as f:
+        cached = int((f.metadata() or {}).get("prefix_len", 0))
+        aux = f.get_tensor("aux_hidden")  # [T, 3H]
+        last = f.get_tensor("last_hidden")  # [T, H]
+    path.unlink()
+    if cached or aux.shape[0] != num_tokens or last.shape[0] != num_tokens:
+        raise EngineError(
+            f"SGLang captured {aux.shape[0]} rows (prefix cache hit: {cached} tokens) for a {num_tokens}-token "
+            "sample; capture needs the whole sequence in one forward (disable_radix_cache, "
+            "chunked_prefill_size=-1): check target.sglang.extra_engine_kwargs"
+        )
+    if tuple(aux.shape[1:]) != (3 * hidden_size,) or tuple(last.shape[1:]) != (hidden_size,):
+        raise EngineError(
+            f"captured aux {tuple(aux.shape)} / last {tuple(last.shape)} do not match hidden size {hidden_size} "
+            "with 3 aux layers; the SGLang model captured another layer set"
+        )
+    return Capture(aux_hidden=aux, last_hidden=last)
+
+
+class SGLangEngine:
+    """``TargetEngine`` on ``sglang.Engine``; ``mode`` picks capture or generation settings."""
+
+    def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0):
+        from eagle3_ray.engines.describe import describe_target
+
+        sglang = import_sglang()
+        described = describe_target(target_cfg)
+        self.info = EngineInfo(
+            **{**described.__dict__, "extra": {"backend": "sglang", "mode": mode, "tp_size": target_cfg.tp_size}}
+        )
+        self.mode = mode
+        self._dir: Path | None = None
+        if mode == "capture":
+            root = Path(target_cfg.sglang.capture_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            self._dir = Path(tempfile.mkdtemp(prefix="eagle3_ray_capture_", dir=root))
+        kwargs = engine_kwargs(target_cfg, mode, info=self.info, capture_dir=self._dir, node_rank=node_rank)
+        check_server_args(kwargs)
+        self._engine = sglang.Engine(**kwargs)
+
+    def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
+        if self.mode != "capture":
+            raise EngineError(f"capture() needs an engine built with mode='capture', this one is {self.mode!r}")
+        seqs = [[int(t) for t in s] for s in batch]
+        if not seqs:
+            return []
+        if any(not s for s in seqs):
+            raise EngineError("capture: every sequence needs at least one token")
+        rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]
+        outs = self._engine.generate(input_ids=seqs, sampling_params=[dict(CAPTURE_SAMPLING) for _ in seqs], rid=rids)
+        return [self._collect(out["meta_info"]["id"], len(s)) for out, s in zip(outs, seqs)]
+
+    def _collect(self, rid: str, num_tokens: int) -> Capture:
+        assert self._dir is not None
+        path = capture_path(self._dir, rid)
+        if not path.is_file():
+            raise EngineError(
+                f"SGLang answered request {rid} but the capture hook wrote no {path}: the hook did not run "
+                "(look for 'Registered forward hook' in SGLang's log; CUDA graphs must stay disabled)"
+            )
+        return read_capture(path, num_tokens, self.info.hidden_size)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise EngineError(
+                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
+                "max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
+            )
+        if not prompts:
+            return []
+        params = [generate_sampling(max_new_tokens, temperature, top_p, seed + i) for i in range(len(prompts))]
+        outs = self._engine.generate(input_ids=[[int(t) for t in p] for p in prompts], sampling_params=params)
+        return [list(out["output_ids"]) for out in outs]
+
+    def close(self) -> None:
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            engine.shutdown()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def generate_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict[str, Any]:
+    """Per-request SamplingParams; ``sampling_seed`` is honoured under enable_deterministic_inference."""
+    if temperature == 0:
+        return {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "sampling_seed": seed}

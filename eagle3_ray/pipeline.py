@@ -1,0 +1,146 @@
+"""`eagle3-ray run`: the whole pipeline, resumable stage by stage.
+
+    prompts -> generate (self-distillation) -> prepare -> extract -> vocab -> train -> export -> bench -> report
+
+Each stage writes into its own directory under --out and leaves `_DONE.json` holding the hash of the
+config sections it depends on. A rerun skips stages whose marker matches and resumes the rest
+(extraction skips committed samples, training restarts from its latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
+
+DONE = "_DONE.json"
+
+# Which config sections each stage's output depends on (a change there reruns the stage).
+STAGE_DEPS = {
+    "generate": ("target", "data", "generate"),
+    "prepare": ("target", "data", "generate"),
+    "extract": ("target", "data", "generate", "extract"),
+    "vocab": ("target", "data", "generate", "vocab"),
+    "train": ("target", "data", "generate", "vocab", "train"),
+    "export": ("target", "data", "generate", "vocab", "train"),
+    "bench": ("target", "data", "generate", "vocab", "train", "bench"),
+}
+
+
+def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
+    full = config_to_dict(cfg)
+    part = {k: full[k] for k in STAGE_DEPS[stage]}
+    part["_data"] = data
+    return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class StageRunner:
+    def __init__(self, cfg: PipelineConfig, out: Path, data: str | None):
+        self.cfg, self.out, self.data = cfg, out, data
+        self.timings: dict[str, float] = {}
+
+    def dir(self, stage: str) -> Path:
+        return self.out / stage
+
+    def run(self, stage: str, fn: Callable[[Path], Any]) -> Any:
+        d = self.dir(stage)
+        marker = d / DONE
+        want = _stage_hash(self.cfg, stage, self.data)
+        if marker.is_file():
+            saved = json.loads(marker.read_text(encoding="utf-8"))
+            if saved.get("hash") == want:
+                print(f"[run] {stage}: done earlier, skipping ({d})", flush=True)
+                return saved.get("result")
+            print(f"[run] {stage}: config changed since the last run, redoing", flush=True)
+            marker.unlink()
+        print(f"[run] {stage} ...", flush=True)
+        t0 = time.monotonic()
+        result = fn(d)
+        self.timings[stage] = round(time.monotonic() - t0, 1)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(DONE + ".tmp")
+        tmp.write_text(json.dumps({"hash": want, "result": result, "seconds": self.timings[stage]}), "utf-8")
+        tmp.replace(marker)
+        return result
+
+
+def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
+    from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
+
+    path = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
+    for item in read_samples(path, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
+        if isinstance(item, Sample) and item.needs_generation:
+            return True
+    return False
+
+
+def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path) -> dict[str, Any]:
+    from eagle3_ray.bench.runner import run_bench
+    from eagle3_ray.extract.generate_stage import run_generate
+    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.vocab_stage import run_vocab
+    from eagle3_ray.train.checkpoint import export_from_training
+    from eagle3_ray.train.trainer import run_training
+
+    t0 = time.monotonic()
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, out)
+    stages = StageRunner(cfg, out, data)
+    source = data
+    if _needs_generation(cfg, data):
+        source = stages.run("generate", lambda d: str(run_generate(cfg, data, d)))
+    prepared = stages.run("prepare", lambda d: run_prepare(cfg, source, d).prepared)
+    stages.run("extract", lambda d: run_extract(cfg, prepared, stages.dir("features")).store)
+    features = stages.dir("features")
+    stages.run("vocab", lambda d: str(run_vocab(cfg, features, d)))
+    stages.run("train", lambda d: str(run_training(cfg, features, stages.dir("vocab"), d)))
+    drafter = out / "drafter"
+    stages.run("export", lambda d: str(export_from_training(stages.dir("train"), drafter, engine="sglang")))
+    metrics = stages.dir("train") / "metrics.jsonl"
+    results = stages.run(
+        "bench",
+        lambda d: _bench_summary(
+            run_bench(cfg, drafter=str(drafter), prompts=None, out=d, compare_untrained=True,
+                      train_metrics=str(metrics) if metrics.is_file() else None)
+        ),
+    )
+    from eagle3_ray.bench.report import write_report
+
+    full = json.loads((out / "bench" / "results.json").read_text(encoding="utf-8"))
+    write_report(full, out, train_metrics_path=str(metrics) if metrics.is_file() else None)
+    summary = {
+        "drafter": str(drafter),
+        "report": str(out / "report.md"),
+        "results": str(out / "bench" / "results.json"),
+        **results,
+        "seconds": round(time.monotonic() - t0, 1),
+        "stage_seconds": stages.timings,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    _print_summary(summary)
+    return summary
+
+
+def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
+    untrained = results.get("untrained") or {}
+    return {
+        "tau": results.get("tau", {}),
+        "speedup": results.get("speedup", {}),
+        "tokens_per_s": results.get("tokens_per_s", {}),
+        "untrained_tau": untrained.get("tau"),
+    }
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    tau = ", ".join(f"{m} {v:.2f}" for m, v in (s.get("tau") or {}).items())
+    speed = ", ".join(f"{m} {v:.2f}x" for m, v in (s.get("speedup") or {}).items())
+    print("\n=== eagle3-ray run: done in %.0fs ===" % s["seconds"], flush=True)
+    print(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
+    print(f"  speedup over plain generation: {speed}")
+    print(f"  drafter (SGLang layout): {s['drafter']}")
+    print(f"  report: {s['report']}")

@@ -1,0 +1,137 @@
+"""Chain speculative decoding (top-1, K steps) and the proposer interface both modes draft through.
+
+The EAGLE-3 drafter (``Eagle3Proposer``) is fed exactly as in training (``drafter/ttt.py``):
+position p pairs fc(target aux state at p) with the token at p+1, and the i-th draft step's token
+sits at position ``committed + i``. After each verify, the drafter cache is cropped back to the
+committed pairs and extended with the target's aux states of the root and the accepted drafts,
+each paired with the token it produced (the accepted drafts, then the target's own next token).
+Draft-step keys are never kept: they were computed from drafted, not target, hidden states.
+
+One chain step::
+
+    drafts d_1..d_K  <- K drafter steps from the last committed token x
+    target([x, d_1..d_K])  -> logits at K+1 positions (one forward)
+    accept the longest prefix the target agrees with, then the target's own token at the first
+    disagreement (or the bonus after d_K); crop the target cache to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+from eagle3_ray.spec.sampling import Sampling, probs, verify_chain
+from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.spec.target import TargetRunner, prefill
+from eagle3_ray.spec.tree import DraftTree, eagle2_tree
+
+
+@dataclass
+class Draft:
+    ids: list[int]  # [K] target vocab
+    q: torch.Tensor | None  # [K, V] distributions the ids were sampled from; None = deterministic
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What chain and tree decoding need from a drafter; ``Eagle3Proposer`` is the real one."""
+
+    aux_layers: list[int]  # target hidden_states indices ``extend`` receives (concatenated)
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        """Start a generation for the [T] prompt (drops any previous state)."""
+
+    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Commit m target states: ``aux`` [m, 3Ht] at the next m positions, each paired with the
+        token it produced, ``next_ids`` [m]. Discards every draft made since the last commit."""
+
+    def draft_chain(self, k: int, s: Sampling) -> Draft:
+        """K tokens following the last committed one."""
+
+    def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
+        """A draft tree under the last committed token."""
+
+
+class Eagle3Proposer:
+    """An ``Eagle3Drafter`` (on the target's device/dtype, embedding bound) and its KV cache."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self.aux_layers = list(drafter.config.aux_layers)
+        self.begin(torch.empty(0))
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.cache = DrafterKVCache()
+        self.committed = 0  # drafter positions backed by target states
+        self.hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
+
+    @torch.no_grad()
+    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
+        assert aux is not None and aux.shape[0] == next_ids.shape[0], "EAGLE-3 needs one aux state per token"
+        self.cache.crop(self.committed)
+        positions = torch.arange(self.committed, self.committed + next_ids.shape[0], device=next_ids.device)
+        out = self.drafter(next_ids[None], self.drafter.fuse(aux[None]), positions[None], cache=self.cache)  # [1, m, H]
+        self.committed += next_ids.shape[0]
+        self.hidden = out[:, -1:]
+
+    @torch.no_grad()
+    def draft_chain(self, k: int, s: Sampling) -> Draft:
+        h = self.hidden  # [1, 1, H]
+        ids, qs = [], []
+        for i in range(k):
+            logits = self.drafter.logits(h)[0, -1]  # [Vd]
+            if s.greedy:
+                draft_id = logits.argmax()
+            else:
+                q = probs(logits, s)  # [Vd]
+                draft_id = torch.multinomial(q, 1, generator=s.generator)[0]
+                qs.append(self._to_target_vocab(q))
+            token = self.drafter.draft_to_target(draft_id)
+            ids.append(int(token))
+            if i + 1 < k:
+                position = torch.full((1, 1), self.committed + i, device=h.device)
+                h = self.drafter(token.view(1, 1), h, position, cache=self.cache)
+        return Draft(ids, torch.stack(qs) if qs else None)
+
+    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """[Vd] draft-vocab distribution -> [V] target-vocab distribution (0 outside the draft vocab)."""
+        rows = self.drafter.draft_to_target(torch.arange(q.shape[0], device=q.device))
+        return q.new_zeros(self.drafter.config.vocab_size).index_copy(0, rows, q)
+
+    def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
+        return eagle2_tree(self.drafter, self.cache, self.hidden, self.committed, topk, depth, total_tokens)
+
+
+def chain_step(runner: TargetRunner, proposer: Proposer, root: int, draft: Draft, s: Sampling) -> tuple[list[int], int]:
+    """Verify one chain; returns (new tokens = accepted drafts + the target's token, accepted count)."""
+    past = runner.length  # the root sits here
+    ids = torch.tensor([root, *draft.ids], device=runner.device)  # [K+1]
+    out = runner.forward(ids)  # logits [K+1, V]: row i predicts the token after ids[i]
+    accepted, token = verify_chain(out.logits, draft.ids, draft.q, s)
+    runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
+    new_tokens = draft.ids[:accepted] + [token]
+    aux = None if out.aux is None else out.aux[: accepted + 1]  # the states that produced new_tokens
+    proposer.extend(torch.tensor(new_tokens, device=runner.device), aux)
+    return new_tokens, accepted
+
+
+def chain_generate(
+    runner: TargetRunner,
+    proposer: Proposer,
+    prompt: torch.Tensor,  # [T] long
+    tally: Tally,
+    s: Sampling,
+    clock: Stopwatch,
+    num_steps: int,
+) -> SpecStats:
+    """Prefill, then draft K tokens and verify them until EOS or the length limit."""
+    token = prefill(runner, proposer, prompt, s)
+    done = tally.first(token)
+    while not done:
+        draft = proposer.draft_chain(num_steps, s)
+        new_tokens, accepted = chain_step(runner, proposer, token, draft, s)
+        done, token = tally.step(new_tokens, accepted), new_tokens[-1]
+    return tally.stats(clock.seconds())

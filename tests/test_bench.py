@@ -1,0 +1,209 @@
+"""Benchmark: prompt sets, aggregation, the actor on a real tiny target + exported drafter, Ray + resume, report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_ray.bench.prompts import load_prompt_sets
+from eagle3_ray.bench.report import (
+    ACCEPT_PLOT,
+    REPORT_NAME,
+    TAU_PLOT,
+    THROUGHPUT_PLOT,
+    TRAINING_PLOT,
+    read_train_metrics,
+    write_report,
+)
+from eagle3_ray.bench.runner import PARTIAL_DIR, RESULTS_NAME, BenchActor, run_bench, summarize
+from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
+from eagle3_ray.errors import DataError
+
+TINY_TARGET = {"model": "random:builtin:tiny-llama", "device": "cpu", "dtype": "float32"}
+TINY_BENCH = {"max_new_tokens": 12, "num_steps": 3, "topk": 2, "depth": 3, "total_tokens": 6}
+PNGS = (TAU_PLOT, ACCEPT_PLOT, THROUGHPUT_PLOT)
+
+
+# --- prompt sets -------------------------------------------------------------------------------------
+
+
+def test_builtin_demo_eval_by_category_round_robin():
+    sets = load_prompt_sets("builtin:demo_eval")
+    assert len(sets) == 8 and all(len(ps) == 3 for ps in sets.values())
+    assert all(len(p.turns) == 2 and p.category == cat for cat, ps in sets.items() for p in ps)
+    one_each = load_prompt_sets("builtin:demo_eval", max_prompts=8)
+    assert list(one_each) == list(sets)
+    assert [ps[0].id for ps in one_each.values()] == [ps[0].id for ps in sets.values()]
+    two = load_prompt_sets("builtin:demo_eval", max_prompts=10)
+    assert [len(ps) for ps in two.values()] == [2, 2, 1, 1, 1, 1, 1, 1]
+
+
+def test_single_turn_file_takes_category_from_stem(tmp_path):
+    f = tmp_path / "gsm8k.jsonl"
+    lines = [{"question": "What is 2 + 3?"}, {"instruction": "Sum these.", "input": "1, 2"},
+             {"prompt": "Hi", "category": "chat", "task_id": "t7"}]
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    sets = load_prompt_sets(f)
+    assert [p.id for p in sets["gsm8k"]] == ["gsm8k-1", "gsm8k-2"]
+    assert sets["gsm8k"][1].turns == ["Sum these.\n\n1, 2"]
+    assert sets["chat"][0].id == "t7" and sets["chat"][0].turns == ["Hi"]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"turns": ["ok"]', "malformed JSON"),
+        ('{"turns": []}', "'turns' must be a non-empty list"),
+        ('{"turns": ["fine", ""]}', "turns\\[1\\] must be a non-empty string"),
+        ('{"answer": "no prompt here"}', "has no prompt"),
+        ('{"question_id": 1, "turns": ["again"]}', "duplicate prompt id '1'"),
+        ('["a", "list"]', "not a JSON object"),
+    ],
+)
+def test_bad_record_names_file_and_line(tmp_path, bad, message):
+    f = tmp_path / "mt.jsonl"
+    f.write_text('{"question_id": 1, "category": "x", "turns": ["first"]}\n' + bad + "\n")
+    with pytest.raises(DataError, match=rf"mt.jsonl:2: .*{message}"):
+        load_prompt_sets(f)
+
+
+# --- aggregation -------------------------------------------------------------------------------------
+
+
+def _rec(pid, new_tokens, seconds, tau=None, steps=None, accept=(), identical=True):
+    stats = {"new_tokens": new_tokens, "seconds": seconds, "tau": tau, "verify_steps": steps,
+             "accept_by_position": list(accept), "tokens_per_s": new_tokens / seconds}
+    return {"prompt_id": pid, "turn": 0, "prompt_tokens": 10, "identical": identical, "stats": stats}
+
+
+def test_summarize_weights_turns_by_tokens_and_verify_steps():
+    per_cat = {
+        "a": {"baseline": [_rec("1", 10, 1.0), _rec("2", 30, 1.0)],
+              "chain": [_rec("1", 10, 0.5, tau=2.0, steps=5, accept=[1.0, 0.0]),
+                        _rec("2", 30, 0.5, tau=3.0, steps=10, accept=[0.9, 0.6], identical=False)]},
+        "b": {"baseline": [_rec("3", 20, 2.0)],
+              "chain": [_rec("3", 20, 1.0, tau=4.0, steps=5, accept=[1.0, 1.0])]},
+    }
+    r = summarize(per_cat, ["chain"])
+    assert r["tau"]["chain"] == pytest.approx((2 * 5 + 3 * 10 + 4 * 5) / 20)
+    assert r["baseline"]["tokens_per_s"] == pytest.approx(60 / 4.0)
+    assert r["tokens_per_s"]["chain"] == pytest.approx(60 / 2.0)
+    assert r["speedup"]["chain"] == pytest.approx(2.0)
+    assert r["accept_by_position"]["chain"] == pytest.approx([(5 + 9 + 5) / 20, (0 + 6 + 5) / 20])
+    assert r["per_category"]["a"]["chain"]["speedup"] == pytest.approx((40 / 1.0) / (40 / 2.0))
+    assert r["per_category"]["b"]["chain"]["tau"] == pytest.approx(4.0)
+    assert r["modes"]["chain"]["identical_to_baseline"] == pytest.approx(2 / 3)
+    assert r["num_prompts"] == 3 and r["num_turns"] == 3
+    assert r["prompt_lookup"] is None and r["untrained"] is None
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def test_training_metrics_last_row_per_step_and_bad_line(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"step": 10, "loss": 5.0}, {"step": 20, "loss": 4.0}, {"step": 10, "loss": 4.5}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["step"], r["loss"]) for r in read_train_metrics(f)] == [(10, 4.5), (20, 4.0)]
+    f.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n')
+    with pytest.raises(DataError, match="metrics.jsonl:2"):
+        read_train_metrics(f)
+
+
+# --- the actor on a real tiny target ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    """An exported, untrained (seeded random) drafter for the random tiny-llama target."""
+    from eagle3_ray.drafter.export import export_drafter, save_drafter_weights
+    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3_ray.engines.targets import load_target
+
+    target = load_target(TargetConfig(**TINY_TARGET))
+    layers = target.model.config.num_hidden_layers
+    cfg = DrafterConfig.from_target(target.model.config, draft_vocab_size=2048, aux_layers=[2, layers // 2, layers - 3])
+    torch.manual_seed(1)
+    root = tmp_path_factory.mktemp("drafter")
+    save_drafter_weights(Eagle3Drafter(cfg), root / "ckpt")
+    return str(export_drafter(root / "ckpt", root / "export", engine="sglang"))
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    f = tmp_path / "tiny_bench.jsonl"
+    f.write_text(
+        json.dumps({"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now a shorter one."]})
+        + "\n" + json.dumps({"question_id": 2, "category": "math", "turns": ["What is 12 * 7?"]}) + "\n"
+    )
+    return f
+
+
+def _check_results(r, modes, untrained):
+    kinds = ["baseline", *modes, "prompt_lookup"] + (["untrained"] if untrained else [])
+    assert set(r["tau"]) == set(r["speedup"]) == set(r["tokens_per_s"]) == set(modes)
+    assert set(r["per_category"]) == {"writing", "math"}
+    for cat in r["per_category"].values():
+        assert set(cat) == set(kinds)
+        for mode in modes:
+            assert cat[mode]["tau"] >= 1.0 and cat[mode]["speedup"] > 0
+    for mode in modes:
+        assert r["tau"][mode] >= 1.0 and r["speedup"][mode] > 0
+        acc = r["accept_by_position"][mode]
+        assert acc and all(0.0 <= a <= 1.0 for a in acc)
+        assert all(acc[i] >= acc[i + 1] for i in range(len(acc) - 1)), "'>= i accepted' cannot grow with i"
+        # Greedy speculative decoding is lossless: every turn must reproduce the baseline's tokens.
+        assert r["modes"][mode]["identical_to_baseline"] == 1.0
+    assert r["num_prompts"] == 2 and r["num_turns"] == 3
+    assert r["baseline"]["new_tokens"] == r["modes"][modes[0]]["new_tokens"] > 0
+    assert (r["untrained"] is not None) == untrained
+    if untrained:
+        assert r["untrained"]["tau"] >= 1.0
+
+
+def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
+    bench = config_to_dict(PipelineConfig(bench=BenchConfig(**TINY_BENCH)))["bench"]
+    actor = BenchActor(TINY_TARGET, drafter_dir, compare_untrained=True)
+    results = actor.run(load_prompt_sets(prompt_file), bench)
+    _check_results(results, ["chain", "tree"], untrained=True)
+    assert results["drafter"] == drafter_dir and results["device"].startswith("cpu")
+    json.dumps(results)  # results.json must hold plain JSON values only
+
+    report = write_report(results, tmp_path / "report")
+    text = report.read_text()
+    assert report.name == REPORT_NAME
+    for png in PNGS:
+        assert (tmp_path / "report" / png).stat().st_size > 0 and f"({png})" in text
+    assert not (tmp_path / "report" / TRAINING_PLOT).exists()
+    assert "Trained vs untrained" in text and "| writing |" in text
+
+
+def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_file, tmp_path):
+    cfg = PipelineConfig(target=TargetConfig(**TINY_TARGET), bench=BenchConfig(**TINY_BENCH, modes=["chain"]))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0 / s, "acc_0": 0.1 * s, "tau": 1 + 0.1 * s})
+                               + "\n" for s in (1, 2, 3)))
+    out = tmp_path / "bench"
+    results = run_bench(cfg, drafter_dir, str(prompt_file), out=out, train_metrics=metrics)
+    on_disk = json.loads((out / RESULTS_NAME).read_text())
+    assert on_disk == results
+    _check_results(on_disk, ["chain"], untrained=False)
+    assert on_disk["config"]["prompts"] == str(prompt_file) and on_disk["config"]["bench"]["num_steps"] == 3
+    assert {"device", "target", "drafter"} <= set(on_disk)
+    for png in (*PNGS, TRAINING_PLOT):
+        assert (out / png).is_file()
+    assert "## Training" in (out / REPORT_NAME).read_text()
+
+    # Resume: a kept partial is reused as is (the marked number survives), a deleted one is measured again.
+    parts = {json.loads(p.read_text())["category"]: p for p in (out / PARTIAL_DIR).glob("*.json")}
+    assert set(parts) == {"writing", "math"}
+    kept = json.loads(parts["writing"].read_text())
+    kept["records"]["chain"][0]["stats"]["seconds"] = 1e6
+    parts["writing"].write_text(json.dumps(kept))
+    parts["math"].unlink()
+    again = run_bench(cfg, drafter_dir, str(prompt_file), out=out)
+    assert parts["math"].is_file()
+    assert again["per_category"]["writing"]["chain"]["seconds"] >= 1e6
+    assert again["per_category"]["math"]["chain"]["seconds"] < 1e6

@@ -1,0 +1,151 @@
+"""Ray Data stages end to end on a real local Ray: prepare -> extract (+ resume) -> vocab."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_ray.config import load_config
+from eagle3_ray.errors import PreflightError, StoreError
+
+CI_CONFIG = "configs/ci-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(CI_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_local, cfg, tmp_path_factory):
+    from eagle3_ray.extract.pipeline import run_prepare
+
+    out = tmp_path_factory.mktemp("prepare")
+    summary = run_prepare(cfg, None, out)
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def store_dir(prepared, cfg, tmp_path_factory):
+    from eagle3_ray.extract.pipeline import run_extract
+
+    out = tmp_path_factory.mktemp("features")
+    run_extract(cfg, prepared[0], out)
+    return out
+
+
+def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
+    import pyarrow.parquet as pq
+
+    out, summary = prepared
+    table = pq.read_table(out / "prepared.parquet")
+    assert table.num_rows == summary.samples == 12
+    for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+        assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+    assert (out / "config.resolved.yaml").is_file()
+    assert json.loads((out / "summary.json").read_text())["tokens"] == summary.tokens
+
+
+def test_prepare_quarantines_bad_lines_and_goes_on(ray_local, cfg, tmp_path):
+    from eagle3_ray.extract.pipeline import run_prepare
+
+    src = tmp_path / "mixed.jsonl"
+    good = {"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    src.write_bytes(
+        (json.dumps(good) + "\n").encode()
+        + b"{not json\n"
+        + json.dumps({"id": "c", "conversations": [{"role": "user", "content": "only a prompt"}]}).encode()
+        + b"\n"
+    )
+    summary = run_prepare(cfg, str(src), tmp_path / "out")
+    assert summary.samples == 1
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 2 and all(r["reason"] for r in rejects)
+    assert any(":2" in r["source"] for r in rejects)  # file:line of the malformed line
+
+
+def test_extract_captures_every_sample_exactly_as_the_engine(store_dir, prepared, cfg):
+    import pyarrow.parquet as pq
+
+    from eagle3_ray.engines.hf import HFEngine
+    from eagle3_ray.features import open_store
+
+    store = open_store(store_dir)
+    table = pq.read_table(prepared[0] / "prepared.parquet")
+    assert sorted(store.sample_ids) == sorted(table.column("sample_id").to_pylist())
+    assert store.meta.aux_layers == [2, 4, 5]  # default [2, L//2, L-3] for the 8-layer tiny Llama
+    engine = HFEngine(cfg.target, batch_tokens=4096)
+    rec = store[0]
+    cap = engine.capture([rec["input_ids"].tolist()])[0]
+    # Stored in bf16: compare with the engine's own output rounded the same way.
+    assert torch.equal(rec["aux_hidden"], cap.aux_hidden.to(torch.bfloat16))
+    assert torch.equal(rec["last_hidden"], cap.last_hidden.to(torch.bfloat16))
+    H = engine.info.hidden_size
+    assert rec["aux_hidden"].shape == (rec["input_ids"].numel(), 3 * H)
+
+
+def test_extract_rerun_skips_completed_samples(store_dir, prepared, cfg):
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.features import open_store
+
+    before = sorted(p.name for p in (store_dir / "shards").iterdir())
+    summary = run_extract(cfg, prepared[0], store_dir)
+    assert summary.skipped_done == 12
+    assert sorted(p.name for p in (store_dir / "shards").iterdir()) == before
+    assert len(open_store(store_dir)) == 12 and not open_store(store_dir).duplicate_ids
+
+
+def test_extract_resumes_after_losing_a_shard(prepared, cfg, tmp_path):
+    """A run stopped midway (simulated by deleting a committed shard) completes only what is missing."""
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.features import open_store
+
+    out = tmp_path / "features"
+    run_extract(cfg, prepared[0], out)
+    shards = sorted((out / "shards").glob("*.safetensors"))
+    assert len(shards) >= 2, "ci-tiny's shard_max_bytes should split the store"
+    victim = shards[0]
+    lost = json.loads(victim.with_name(victim.stem + ".done.json").read_text())["sample_ids"]
+    victim.with_name(victim.stem + ".done.json").unlink()
+    summary = run_extract(cfg, prepared[0], out)
+    assert summary.skipped_done == 12 - len(lost)
+    store = open_store(out)
+    assert sorted(store.sample_ids) == sorted(set(store.sample_ids)) and len(store) == 12
+
+
+def test_extract_refuses_a_store_of_another_target(store_dir, prepared, cfg):
+    from eagle3_ray.extract.pipeline import run_extract
+
+    other = cfg.model_copy(deep=True)
+    other.target.aux_layers = [1, 2, 4]
+    with pytest.raises(StoreError, match="aux_layers"):
+        run_extract(other, prepared[0], store_dir)
+
+
+def test_extract_preflight_refuses_when_disk_is_too_small(prepared, cfg, tmp_path):
+    from eagle3_ray.extract.pipeline import run_extract
+
+    huge = cfg.model_copy(deep=True)
+    huge.extract.disk_margin = 1e12
+    with pytest.raises(PreflightError, match="free"):
+        run_extract(huge, prepared[0], tmp_path / "f")
+
+
+def test_vocab_counts_loss_tokens_and_is_cached(store_dir, cfg, tmp_path):
+    from eagle3_ray.data.vocab import load_vocab_map
+    from eagle3_ray.extract.vocab_stage import run_vocab
+    from eagle3_ray.features import open_store
+
+    path = run_vocab(cfg, store_dir, tmp_path)
+    d2t, t2d, meta = load_vocab_map(path)
+    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_ and t2d.sum() == cfg.vocab.draft_vocab_size
+    loss_tokens = set()
+    for rec in open_store(store_dir):
+        loss_tokens.update(rec["input_ids"][rec["loss_mask"].bool()].tolist())
+    assert all(t2d[t] for t in loss_tokens)  # the draft vocab covers every trained token here
+    assert meta["coverage"] == pytest.approx(1.0)
+    mtime = path.stat().st_mtime_ns
+    assert run_vocab(cfg, store_dir, tmp_path) == path and path.stat().st_mtime_ns == mtime

@@ -1,0 +1,549 @@
+"""Contract tests against the real SGLang 0.5.23 source (installed --no-deps, see Makefile setup-dev).
+
+SGLang's engine needs CUDA, so nothing here serves a model. What runs for real: ``ServerArgs`` and
+its aux-capture validation, ``hook_manager.register_forward_hooks``, ``SamplingParams``. Modules
+that import torchvision (a CUDA build on PyPI, unimportable with CPU torch: forward_batch_info,
+logits_processor, models/*) are read from their installed source instead: the needed class or
+method is compiled from SGLang's own text (``_sglang_def``) and exercised, so a change upstream
+changes what these tests run.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import MISSING, dataclass, field, fields
+from enum import IntEnum, auto
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, List, Optional
+
+import pytest
+import torch
+
+server_args = pytest.importorskip(
+    "sglang.srt.server_args", reason="sglang==0.5.23 not installed (make setup-dev installs it --no-deps)"
+)
+import sglang  # noqa: E402
+
+from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
+from eagle3_ray.engines import sglang as sg  # noqa: E402
+from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
+from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, capture_path  # noqa: E402
+from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
+
+SRT = Path(sglang.__file__).parent / "srt"
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- reading SGLang's source ----------------------------------------------------------------------
+
+
+def _tree(rel: str) -> ast.Module:
+    return ast.parse((SRT / rel).read_text(encoding="utf-8"))
+
+
+def _class(rel: str, name: str) -> ast.ClassDef:
+    found = [n for n in _tree(rel).body if isinstance(n, ast.ClassDef) and n.name == name]
+    assert found, f"class {name} is gone from sglang/srt/{rel}"
+    return found[0]
+
+
+def _method(rel: str, cls: str, name: str) -> ast.FunctionDef:
+    found = [n for n in _class(rel, cls).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert found, f"{cls}.{name} is gone from sglang/srt/{rel}"
+    return found[0]
+
+
+def _sglang_def(node: ast.AST, namespace: dict[str, Any], base: str | None = None):
+    """Compile one class/function definition of SGLang's source into ``namespace`` and return it.
+
+    Annotations become strings (their types live in modules we cannot import); a class's bases are
+    replaced by ``base`` (a mixin without fields) when given.
+    """
+    node = ast.parse(ast.unparse(node)).body[0]
+    if base is not None:
+        node.bases = [ast.Name(base, ast.Load())]
+        namespace.setdefault(base, object)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.AnnAssign):
+            sub.annotation = ast.Constant(ast.unparse(sub.annotation))
+        if isinstance(sub, ast.arguments):
+            for a in sub.posonlyargs + sub.args + sub.kwonlyargs:
+                a.annotation = None
+        if isinstance(sub, ast.FunctionDef):
+            sub.returns = None
+    ast.fix_missing_locations(node)
+    exec(compile(ast.Module([node], []), f"<sglang {getattr(node, 'name', '')}>", "exec"), namespace)
+    return namespace[node.name]
+
+
+@pytest.fixture(scope="module")
+def forward_mode():
+    return _sglang_def(_class("model_executor/forward_batch_info.py", "ForwardMode"), {"IntEnum": IntEnum, "auto": auto})
+
+
+@pytest.fixture(scope="module")
+def forward_batch_cls():
+    ns = {"dataclass": dataclass, "field": field, "Optional": Optional, "List": List, "torch": torch}
+    return _sglang_def(_class("model_executor/forward_batch_info.py", "ForwardBatch"), ns, base="_NoMixin")
+
+
+def _forward_batch(cls, mode, rids: list[str], lens: list[int], prefix: list[int] | None = None):
+    """A real-source ForwardBatch: required fields filled, the extend fields the scheduler sets."""
+    n = sum(lens)
+    required = {
+        f.name: torch.zeros(n, dtype=torch.long)
+        for f in fields(cls)
+        if f.default is MISSING and f.default_factory is MISSING
+    }
+    required.update(forward_mode=mode, batch_size=len(rids))
+    return cls(
+        **required,
+        rids=rids,
+        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
+        extend_seq_lens_cpu=list(lens),
+        extend_prefix_lens_cpu=prefix or [0] * len(lens),
+    )
+
+
+# --- engine kwargs --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tiny_llama_config):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama_config.save_pretrained(d)
+    return d
+
+
+def _target(target_dir, **changes) -> TargetConfig:
+    # The 6-layer tiny target's default [2, 3, 3] repeats a layer: name three distinct ones.
+    return TargetConfig(**{"model": str(target_dir), "backend": "sglang", "tp_size": 2, "aux_layers": [2, 3, 4],
+                           **changes})
+
+
+def _kwargs(target_dir, mode, tmp_path, target=None):
+    target = target or _target(target_dir, sglang={"nnodes": 2, "dist_init_addr": "10.0.0.1:5000",
+                                                   "mem_fraction_static": 0.8})
+    return sg.engine_kwargs(target, mode, capture_dir=tmp_path, drafter_dir=tmp_path, bench=BenchConfig(), node_rank=1)
+
+
+@pytest.mark.parametrize("mode", sg.MODES)
+def test_every_engine_kwarg_is_a_server_args_field(target_dir, tmp_path, mode):
+    kw = _kwargs(target_dir, mode, tmp_path)
+    # 0.5.23's ServerArgs is a msgspec Struct, not a dataclass: its fields are __struct_fields__.
+    assert set(kw) <= set(server_args.ServerArgs.__struct_fields__), set(kw) - set(server_args.ServerArgs.__struct_fields__)
+    sg.check_server_args(kw)
+    args = server_args.ServerArgs(**kw)
+    assert args.tp_size == 2 and args.nnodes == 2 and args.node_rank == 1
+
+
+def test_capture_kwargs_pass_sglang_aux_capture_validation(target_dir, tmp_path):
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
+
+    kw = _kwargs(target_dir, "capture", tmp_path)
+    assert kw["disable_radix_cache"] and kw["chunked_prefill_size"] == -1 and kw["disable_cuda_graph"]
+    args = server_args.ServerArgs(**kw)
+    handle_aux_hidden_state_capture(args)  # raises ValueError on a settings combination it refuses
+    view = resolving_view(args)
+    assert view.aux_hidden_state_capture == "eagle3" and view.speculative_algorithm is None  # no draft loaded
+    assert kw["return_aux_hidden_state_layer_ids"] == [1, 2, 3]  # llama: HF index k -> k - 1
+
+
+def test_generate_and_spec_kwargs(target_dir, tmp_path):
+    gen = _kwargs(target_dir, "generate", tmp_path)
+    assert "forward_hooks" not in gen and "disable_radix_cache" not in gen and gen["skip_tokenizer_init"]
+    spec = _kwargs(target_dir, "spec", tmp_path)
+    b = BenchConfig()
+    assert spec["speculative_algorithm"] == "EAGLE3" and spec["speculative_draft_model_path"] == str(tmp_path)
+    assert (spec["speculative_num_steps"], spec["speculative_eagle_topk"], spec["speculative_num_draft_tokens"]) == (
+        b.depth, b.topk, b.total_tokens)
+    chain = sg.engine_kwargs(_target(target_dir), "spec", drafter_dir=tmp_path, bench=BenchConfig(modes=["chain"]))
+    assert (chain["speculative_eagle_topk"], chain["speculative_num_draft_tokens"]) == (1, b.num_steps + 1)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"disable_radix_cache": False}, "prefix-cache"),
+        ({"chunked_prefill_size": 8192}, "chunked prefill"),
+        ({"disable_cuda_graph": False}, "graph replay"),
+        ({"cuda_graph_backend_prefill": "full"}, "graph replay"),
+        ({"pp_size": 2}, "pp_size"),
+        ({"enable_dp_attention": True}, "attention DP"),
+        ({"return_aux_hidden_state_layer_ids": [1, 2, 3]}, "target.aux_layers"),
+        ({"model_path": "/x"}, "target.model"),
+        ({"tp_size": 4}, "target.tp_size"),
+    ],
+)
+def test_capture_breaking_extra_kwargs_are_refused(target_dir, tmp_path, extra, words):
+    with pytest.raises(ConfigError, match=words):
+        sg.engine_kwargs(_target(target_dir, sglang={"extra_engine_kwargs": extra}), "capture", capture_dir=tmp_path)
+
+
+def test_extra_kwargs_pass_through_where_harmless(target_dir, tmp_path):
+    prefix_cache = _target(target_dir, sglang={"extra_engine_kwargs": {"disable_radix_cache": False}})
+    assert sg.engine_kwargs(prefix_cache, "generate")["disable_radix_cache"] is False  # decode may cache
+    same = _target(target_dir, sglang={"extra_engine_kwargs": {"chunked_prefill_size": -1, "max_running_requests": 8}})
+    assert sg.engine_kwargs(same, "capture", capture_dir=tmp_path)["max_running_requests"] == 8
+    with pytest.raises(ConfigError, match="not ServerArgs fields"):
+        sg.check_server_args({**sg.engine_kwargs(_target(target_dir), "generate"), "max_runing_requests": 8})
+
+
+def test_multinode_needs_dist_init_addr(target_dir):
+    with pytest.raises(ConfigError, match="dist_init_addr"):
+        sg.engine_kwargs(_target(target_dir, sglang={"nnodes": 2}), "generate")
+
+
+def test_sampling_params_are_sglang_fields():
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    for params in (sg.CAPTURE_SAMPLING, sg.generate_sampling(32, 0.0, 1.0, 0), sg.generate_sampling(32, 0.7, 0.9, 3)):
+        assert set(params) <= set(SamplingParams.__struct_fields__)
+        assert SamplingParams(**params).max_new_tokens == params["max_new_tokens"]
+
+
+# --- the hook -------------------------------------------------------------------------------------
+
+
+def test_logits_processor_call_matches_hook_positions():
+    """The hook indexes forward's positional args; pin the signature and the models' calls."""
+    args = [a.arg for a in _method("layers/logits_processor.py", "LogitsProcessor", "forward").args.args][1:]
+    assert args[HIDDEN_ARG] == "hidden_states" and args[BATCH_ARG] == "logits_metadata"
+    assert args[AUX_ARG] == "aux_hidden_states"
+    for rel, cls in [("models/llama.py", "LlamaForCausalLM"), ("models/qwen2.py", "Qwen2ForCausalLM"),
+                     ("models/qwen3.py", "Qwen3ForCausalLM"), ("models/deepseek_v2.py", "DeepseekV2ForCausalLM")]:
+        calls = [
+            c for c in ast.walk(_method(rel, cls, "forward"))
+            if isinstance(c, ast.Call) and ast.unparse(c.func) == "self.logits_processor"
+        ]
+        assert calls, f"{cls}.forward no longer calls self.logits_processor"
+        for c in calls:
+            assert len(c.args) > AUX_ARG and ast.unparse(c.args[AUX_ARG]) == "aux_hidden_states", (rel, ast.unparse(c))
+
+
+def test_hook_reads_only_forward_batch_fields_that_exist(forward_batch_cls, forward_mode):
+    names = {f.name for f in fields(forward_batch_cls)}
+    assert {"forward_mode", "rids", "extend_seq_lens", "extend_seq_lens_cpu", "extend_prefix_lens_cpu"} <= names
+    assert forward_mode.EXTEND.is_extend() and not forward_mode.EXTEND.is_target_verify()
+    assert forward_mode.TARGET_VERIFY.is_extend() and not forward_mode.DECODE.is_extend()
+
+
+class TinyTargetWithLogitsProcessor(torch.nn.Module):
+    """A real module tree with a ``logits_processor`` child called the way llama.py:625 calls it."""
+
+    class LogitsProcessor(torch.nn.Module):
+        def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+            return hidden_states @ lm_head.weight.T  # [N, vocab]
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.logits_processor = self.LogitsProcessor()
+
+    def forward(self, input_ids, hidden_states, forward_batch, aux_hidden_states):
+        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch, aux_hidden_states)
+
+
+@pytest.fixture(scope="module")
+def hf_rows(tiny_llama_config):
+    """Two sequences through a seeded HF Llama: per-request (aux [T,3H], last [T,H]) and packed rows."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config).eval()
+    aux_ids = [2, 3, 4]
+    seqs = [torch.randint(3, 500, (n,)) for n in (7, 4)]
+    per_request = []
+    with torch.no_grad():
+        for s in seqs:
+            out = model.model(input_ids=s[None], output_hidden_states=True)
+            per_request.append((torch.cat([out.hidden_states[k][0] for k in aux_ids], -1), out.last_hidden_state[0]))
+    return seqs, per_request
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-aux", "aux-list"])
+def test_sglang_registers_our_hook_which_writes_each_request(
+    target_dir, tmp_path, forward_batch_cls, forward_mode, hf_rows, packed
+):
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    seqs, per_request = hf_rows
+    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path)["forward_hooks"]
+    model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
+    register_forward_hooks(model, hooks)
+    assert len(model.logits_processor._forward_hooks) == 1
+
+    aux = torch.cat([a for a, _ in per_request])  # [N, 3H]
+    last = torch.cat([h for _, h in per_request])  # [N, H]
+    aux_arg = aux if packed else list(aux.split(64, dim=-1))  # DeepSeek packs, Llama passes a list
+    rids = ["req-a", "req-b"]
+    batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(s) for s in seqs])
+    logits = model(torch.cat(seqs), last, batch, aux_arg)
+    assert logits.shape == (aux.shape[0], 512)  # the hook leaves the output alone
+
+    for rid, seq, (want_aux, want_last) in zip(rids, seqs, per_request):
+        cap = sg.read_capture(capture_path(tmp_path, rid), len(seq), hidden_size=64)
+        assert torch.equal(cap.aux_hidden, want_aux) and torch.equal(cap.last_hidden, want_last)
+        assert not capture_path(tmp_path, rid).exists()  # read_capture deletes
+    assert not list(tmp_path.iterdir())  # no temporary files left behind
+
+    decode = _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1])
+    verify = _forward_batch(forward_batch_cls, forward_mode.TARGET_VERIFY, rids, [1, 1])
+    model(torch.cat(seqs)[:2], last[:2], decode, aux_arg)
+    model(torch.cat(seqs)[:2], last[:2], verify, aux_arg)
+    assert not list(tmp_path.iterdir())
+
+
+def test_reader_refuses_partial_captures(tmp_path, forward_batch_cls, forward_mode, hf_rows):
+    from eagle3_ray.engines.sglang_hooks import write_batch
+
+    seqs, per_request = hf_rows
+    aux, last = per_request[0]
+    cached = _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["r"], [len(seqs[0]) - 2], prefix=[2])
+    write_batch(tmp_path, cached, last[2:], aux[2:])
+    with pytest.raises(EngineError, match="prefix cache hit: 2"):
+        sg.read_capture(capture_path(tmp_path, "r"), len(seqs[0]), hidden_size=64)
+    write_batch(tmp_path, _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["s"], [len(seqs[0])]), last, aux)
+    with pytest.raises(EngineError, match="hidden size"):
+        sg.read_capture(capture_path(tmp_path, "s"), len(seqs[0]), hidden_size=32)
+
+
+_RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch.distributed as dist
+    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+    from eagle3_ray.engines.sglang_hooks import capture_hook_factory
+    hook = capture_hook_factory({"dir": out + "/shm", "tp_size": 2})
+    heavy = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "sglang", "transformers")))
+    json.dump({"hook": hook is not None, "heavy": heavy}, open(f"{out}/rank{rank}.json", "w"))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_only_tp_rank_zero_gets_a_hook(tmp_path):
+    """Two real gloo ranks, as SGLang's TP workers: rank 0 registers the hook, rank 1 nothing."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(tmp_path / "init"), str(tmp_path)], env=env)
+        for r in (0, 1)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["hook"] for g in got] == [True, False]
+    assert got[0]["heavy"] == []  # SGLang imports the hook module in every TP worker: keep it light
+
+
+# --- aux layer ids --------------------------------------------------------------------------------
+
+_SHIFT_MODELS = [
+    ("models/llama.py", "LlamaForCausalLM", "llama"),
+    ("models/qwen2.py", "Qwen2ForCausalLM", "qwen2"),
+    ("models/qwen3.py", "Qwen3ForCausalLM", "qwen3"),
+    ("models/deepseek_v2.py", "DeepseekV2ForCausalLM", "deepseek_v2"),
+    ("models/deepseek_v2.py", "DeepseekV2ForCausalLM", "deepseek_v3"),
+]
+
+
+def _layers_captured(rel: str, cls: str, ids: list[int] | None, num_layers: int) -> list[int]:
+    """Run the model's real set_eagle3_layers_to_capture on a minimal object."""
+    method = _sglang_def(_method(rel, cls, "set_eagle3_layers_to_capture"), {"Optional": Optional, "List": List})
+    obj = SimpleNamespace(
+        pp_group=SimpleNamespace(is_last_rank=True),
+        config=SimpleNamespace(num_hidden_layers=num_layers),
+        model=SimpleNamespace(layers_to_capture=[]),
+    )
+    method(obj, ids)
+    assert obj.capture_aux_hidden_states
+    return obj.model.layers_to_capture
+
+
+@pytest.mark.parametrize("rel, cls, model_type", _SHIFT_MODELS, ids=[m[2] for m in _SHIFT_MODELS])
+@pytest.mark.parametrize("hf", [[2, 16, 29], [3, 10, 20], [2, 3, 30], [1, 8, 16]])
+def test_translated_ids_capture_the_config_states(rel, cls, model_type, hf):
+    """layers_to_capture c captures the input of layer c = HF hidden_states[c] (docs/sglang.md)."""
+    num_layers = 32
+    if model_type.startswith("deepseek") and hf[0] == 1:
+        with pytest.raises(ConfigError, match="first index"):
+            sg.sglang_aux_ids(hf, model_type, num_layers)
+        return
+    ids = sg.sglang_aux_ids(hf, model_type, num_layers)
+    assert _layers_captured(rel, cls, ids, num_layers) == hf
+    check_range = _sglang_def(
+        [n for n in _tree("model_executor/model_runner_components/spec_aux_hidden_state.py").body
+         if isinstance(n, ast.FunctionDef) and n.name == "_check_capture_layer_ids_in_range"][0], {}
+    )
+    check_range(ids, SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=num_layers)))
+
+
+@pytest.mark.parametrize("rel, cls, model_type", _SHIFT_MODELS, ids=[m[2] for m in _SHIFT_MODELS])
+def test_default_ids_mean_the_same_states_everywhere(rel, cls, model_type):
+    assert _layers_captured(rel, cls, None, 61) == default_aux_layers(61)
+
+
+def test_last_layer_output_cannot_be_captured():
+    with pytest.raises(ConfigError, match="last layer's output"):
+        sg.sglang_aux_ids([2, 16, 32], "llama", 32)
+
+
+# --- exported drafter vs llama_eagle3.py -----------------------------------------------------------
+
+# Parameters of LlamaForCausalLMEagle3 with one layer and untied lm_head, by module attribute
+# (pinned to the source below). embed_tokens comes from the target and is never exported.
+_EAGLE3_PARAMS = [
+    "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
+    "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.0.hidden_norm.weight",
+]
+
+
+def _assigned_attrs(rel: str, cls: str) -> set[str]:
+    return {
+        t.attr for n in ast.walk(_method(rel, cls, "__init__")) if isinstance(n, ast.Assign)
+        for t in n.targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+    }
+
+
+def test_eagle3_param_list_matches_sglang_modules():
+    assert {"qkv_proj", "o_proj"} <= _assigned_attrs("models/llama.py", "LlamaAttention")
+    assert {"gate_up_proj", "down_proj"} <= _assigned_attrs("models/llama.py", "LlamaMLP")
+    assert {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"} <= _assigned_attrs(
+        "models/llama.py", "LlamaDecoderLayer")
+    assert {"hidden_norm", "mlp"} <= _assigned_attrs("models/llama_eagle3.py", "LlamaDecoderLayer")
+    assert {"embed_tokens", "fc", "layers", "norm"} <= _assigned_attrs("models/llama_eagle3.py", "LlamaModel")
+    assert {"model", "lm_head"} <= _assigned_attrs("models/llama_eagle3.py", "LlamaForCausalLMEagle3")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from eagle3_ray.drafter.export import export_drafter, save_drafter_weights
+    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+
+    vocab, draft = 96, 48
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=32,
+                        aux_layers=[2, 12, 21], target_model_type="llama", rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    ids = torch.randperm(vocab)[:draft].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    drafter.set_vocab_map(ids - torch.arange(draft), t2d)
+    root = tmp_path_factory.mktemp("drafter")
+    out = export_drafter(save_drafter_weights(drafter, root / "ckpt"), root / "export", engine="sglang")
+    return out, ids
+
+
+def test_exported_keys_are_exactly_what_llama_eagle3_loads(exported):
+    """Run SGLang's real load_weights: every key lands in a parameter, every parameter is filled."""
+    from safetensors.torch import load_file
+
+    out, target_ids = exported
+    loaded: list[tuple[str, Any]] = []
+
+    class Param:
+        def __init__(self, name):
+            self.name = name
+
+        def weight_loader(self, param, weight, shard_id=None):
+            loaded.append((param.name, shard_id))
+
+    load_weights = _sglang_def(_method("models/llama_eagle3.py", "LlamaForCausalLMEagle3", "load_weights"),
+                               {"torch": torch, "default_weight_loader": None})
+    host = SimpleNamespace(hot_token_id=None, named_parameters=lambda: [(n, Param(n)) for n in _EAGLE3_PARAMS])
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, tensor in tensors.items():
+        before = len(loaded) + (host.hot_token_id is not None)
+        load_weights(host, [(name, tensor)])
+        assert name == "t2d" or len(loaded) + (host.hot_token_id is not None) > before, f"{name} silently skipped"
+    assert sorted(loaded, key=str) == sorted(
+        [(p, None) for p in _EAGLE3_PARAMS if "qkv" not in p and "gate_up" not in p and "embed" not in p]
+        + [("model.layers.0.self_attn.qkv_proj.weight", s) for s in "qkv"]
+        + [("model.layers.0.mlp.gate_up_proj.weight", s) for s in (0, 1)], key=str)
+    assert torch.equal(host.hot_token_id, target_ids)  # d2t + arange = the draft tokens' target ids
+
+
+def _config_reads(rel: str, cls: str) -> set[str]:
+    """Config attributes a class reads without a fallback (``getattr(config, name, default)`` has one)."""
+    nodes = list(ast.walk(_class(rel, cls)))
+    direct = {n.attr for n in nodes if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("config", "self.config")}
+    guarded = {
+        n.args[1].value for n in nodes
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "getattr" and len(n.args) == 3
+        and isinstance(n.args[1], ast.Constant)
+    }
+    return direct - guarded
+
+
+def test_exported_config_carries_every_field_sglang_reads(exported):
+    from transformers import LlamaConfig
+
+    out, _ = exported
+    raw = json.loads((out / "config.json").read_text())
+    hf = LlamaConfig(**raw)  # SGLang reads the draft config through transformers
+    reads = (
+        _config_reads("models/llama_eagle3.py", "LlamaDecoderLayer") | _config_reads("models/llama_eagle3.py", "LlamaModel")
+        | _config_reads("models/llama_eagle3.py", "LlamaForCausalLMEagle3")
+        | _config_reads("models/llama.py", "LlamaDecoderLayer") | _config_reads("models/llama.py", "LlamaMLP")
+    )
+    assert {"draft_vocab_size", "hidden_size", "rms_norm_eps", "tie_word_embeddings"} <= reads
+    missing = sorted(r for r in reads if not hasattr(hf, r) and r != "intermediate_size_mlp")  # llama4 only
+    assert not missing, missing
+    assert raw["draft_vocab_size"] == 48 and raw["target_hidden_size"] == 32 and raw["tie_word_embeddings"] is False
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 11, 20]  # llama: HF k -> k - 1
+
+
+# --- presets and benchmark arithmetic ---------------------------------------------------------------
+
+NCCL = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_P2P_LEVEL": "SYS", "NCCL_MAX_NCHANNELS": "16",
+        "NCCL_BUFFSIZE": "16777216", "NCCL_NTHREADS": "512"}
+
+
+@pytest.mark.parametrize("name, model_type, layers, tp", [
+    ("llama3.1-8b", "llama", 32, 1), ("deepseek-v3", "deepseek_v3", 61, 8), ("kimi-k2.5", "kimi_k2", 61, 8)])
+def test_presets_load_and_translate(name, model_type, layers, tp):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert cfg.target.backend == "sglang" and cfg.target.tp_size == tp and cfg.vocab.draft_vocab_size == 32000
+    assert cfg.target.aux_layers == default_aux_layers(layers)
+    sg.sglang_aux_ids(cfg.target.aux_layers, model_type, layers)
+    extra = cfg.target.sglang.extra_engine_kwargs
+    sg.check_extra_kwargs(extra, "capture")
+    assert set(extra) <= set(server_args.ServerArgs.__struct_fields__)
+    if tp == 8:
+        assert cfg.ray.env_vars == NCCL
+
+
+def test_benchmark_arithmetic_on_sglang_meta_info():
+    source = (SRT / "managers/tokenizer_manager.py").read_text()
+    assert '"completion_tokens"' in source and 'meta_info["spec_verify_ct"]' in source
+    from eagle3_ray.bench.sglang_bench import replay, summarize_run, turn_record
+
+    spec = {"qa": [turn_record({"meta_info": {"completion_tokens": 30, "spec_verify_ct": 10}}, 1.0)],
+            "code": [turn_record({"meta_info": {"completion_tokens": 40, "spec_verify_ct": 8}}, 1.0)]}
+    base = {"qa": [turn_record({"meta_info": {"completion_tokens": 30}}, 3.0)],
+            "code": [turn_record({"meta_info": {"completion_tokens": 40}}, 4.0)]}
+    baseline = summarize_run(base)
+    result = summarize_run(spec, baseline)
+    assert result["tau"] == pytest.approx(70 / 18) and result["per_category"]["code"]["tau"] == 5.0
+    assert result["tokens_per_s"] == 35.0 and result["speedup"] == pytest.approx(35.0 / 10.0)
+    assert baseline["tau"] is None and result["per_category"]["qa"]["speedup"] == pytest.approx(3.0)
+
+    seen = []
+
+    def answer(ids):
+        seen.append(list(ids))
+        return [len(ids)], {"completion_tokens": 1, "spec_verify_ct": None, "seconds": 0.1}
+
+    turns = replay(answer, lambda msgs: [len(m["content"]) for m in msgs], lambda ids: "x" * ids[0],
+                   {"chat": [["hi", "more"]]})
+    assert len(turns["chat"]) == 2 and seen == [[2], [2, 1, 4]]  # turn 2 sees the model's own reply

@@ -1,0 +1,109 @@
+"""Ray Train + DeepSpeed drafter training on a real local Ray: train, checkpoint, resume, export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_ray.config import load_config
+from eagle3_ray.errors import CheckpointError
+
+CI_CONFIG = "configs/ci-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def inputs(ray_local, tmp_path_factory):
+    """ci-tiny features + vocab map, built once through the real stages."""
+    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.vocab_stage import run_vocab
+
+    cfg = load_config(CI_CONFIG)
+    root = tmp_path_factory.mktemp("train_inputs")
+    run_prepare(cfg, None, root / "prepare")
+    run_extract(cfg, root / "prepare", root / "features")
+    run_vocab(cfg, root / "features", root / "vocab")
+    return root
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
+    from eagle3_ray.train.packing import plan
+
+    lengths = np.random.default_rng(0).integers(5, 300, size=200)
+    packs = plan(lengths, 512, epochs=2, seed=3)
+    assert packs == plan(lengths, 512, epochs=2, seed=3)
+    for epoch in (0, 1):
+        seen = sorted(i for p in packs if p.epoch == epoch for i in p.samples)
+        assert seen == list(range(200))
+    assert all(p.tokens <= 512 for p in packs)
+
+
+def test_train_checkpoints_resumes_and_exports(inputs, tmp_path):
+    from eagle3_ray.drafter import load_drafter
+    from eagle3_ray.train.checkpoint import consumed_packs, export_from_training, latest_checkpoint, read_train_state
+    from eagle3_ray.train.trainer import run_training
+
+    out = tmp_path / "train"
+    cfg = load_config(CI_CONFIG, ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1"])
+    ckpt = run_training(cfg, inputs / "features", inputs / "vocab", out)
+    state = read_train_state(ckpt)
+    assert state["step"] == 4
+    assert (ckpt / "ds").is_dir() and (ckpt / "drafter.safetensors").is_file()
+    assert len(consumed_packs(ckpt)) == 4
+    steps = [m["step"] for m in _metrics(out)]
+    assert steps == [1, 2, 3, 4]
+    m = _metrics(out)[-1]
+    for key in ("loss", "acc_0", "tau", "lr", "tokens_per_s"):
+        assert key in m and m[key] == m[key]
+
+    # Rerun the same command with a larger budget: it resumes at step 4 and continues.
+    more = load_config(CI_CONFIG, ["train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1"])
+    ckpt2 = run_training(more, inputs / "features", inputs / "vocab", out)
+    assert read_train_state(ckpt2)["step"] == 6
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert consumed_packs(ckpt2) > consumed_packs(ckpt)
+    assert latest_checkpoint(out) == ckpt2
+
+    drafter_dir = export_from_training(out, tmp_path / "drafter", engine="sglang")
+    drafter = load_drafter(drafter_dir)
+    from safetensors.torch import load_file
+
+    trained = load_file(str(ckpt2 / "drafter.safetensors"))
+    assert torch.equal(drafter.fc.weight.float(), trained["fc.weight"].to(torch.bfloat16).float())
+
+
+def test_resume_refuses_a_checkpoint_from_another_config(inputs, tmp_path):
+    from eagle3_ray.train.trainer import run_training
+
+    out = tmp_path / "train"
+    run_training(load_config(CI_CONFIG, ["train.max_steps=1"]), inputs / "features", inputs / "vocab", out)
+    other = load_config(CI_CONFIG, ["train.max_steps=2", "train.batch_tokens=300"])
+    with pytest.raises(CheckpointError, match="batch_tokens"):
+        run_training(other, inputs / "features", inputs / "vocab", out)
+
+
+def test_two_workers_train_with_deepspeed_zero1_on_gloo(inputs, tmp_path):
+    from eagle3_ray.train.checkpoint import read_train_state
+    from eagle3_ray.train.trainer import run_training
+
+    cfg = load_config(CI_CONFIG, ["train.num_workers=2", "train.max_steps=2", "train.log_every=1"])
+    ckpt = run_training(cfg, inputs / "features", inputs / "vocab", tmp_path / "train")
+    assert read_train_state(ckpt)["step"] == 2
+    assert sorted(p.name for p in (ckpt / "data_state").iterdir()) == ["rank-0.json", "rank-1.json"]
+
+
+def test_train_refuses_a_vocab_map_of_another_size(inputs, tmp_path):
+    from eagle3_ray.data.vocab import build_vocab_map, save_vocab_map
+    from eagle3_ray.errors import StoreError
+    from eagle3_ray.train.trainer import plan_training
+
+    d2t, t2d = build_vocab_map(np.ones(100, dtype=np.int64), 10)
+    save_vocab_map(tmp_path / "vocab_map.safetensors", d2t, t2d, {})
+    with pytest.raises(StoreError, match="target ids"):
+        plan_training(load_config(CI_CONFIG), inputs / "features", tmp_path, tmp_path / "out")
