@@ -99,6 +99,9 @@ class ExtractConfig(_Section):
     num_actors: int = Field(1, ge=1, description="Engine actors (min size of the pool).")
     max_actors: int | None = Field(None, ge=1, description="Max pool size (elastic); default = num_actors.")
     num_gpus_per_actor: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
+    num_cpus_per_actor: float = Field(
+        1.0, gt=0.0, description="CPUs per engine actor; on CPU-only runs this also sets its torch threads."
+    )
     shard_max_bytes: int = Field(256 * 2**20, ge=1, description="Target size of one feature shard.")
     disk_margin: float = Field(1.1, ge=1.0, description="Preflight needs projected bytes x margin free.")
     on_corrupt_shard: Literal["skip", "abort"] = Field("abort", description="Reader policy.")
@@ -129,6 +132,7 @@ class TrainConfig(_Section):
     batch_tokens: int = Field(4096, ge=1, description="Tokens per micro-batch per worker (packing budget).")
     grad_accum: int = Field(1, ge=1)
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads on CPU) per training worker.")
     use_gpu: bool | None = Field(None, description="Default: True when the cluster has GPUs.")
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     log_every: int = Field(10, ge=1)

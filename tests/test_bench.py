@@ -22,7 +22,7 @@ from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_
 from eagle3_ray.errors import DataError
 
 TINY_TARGET = {"model": "random:builtin:tiny-llama", "device": "cpu", "dtype": "float32"}
-TINY_BENCH = {"max_new_tokens": 12, "num_steps": 3, "topk": 2, "depth": 3, "total_tokens": 6}
+TINY_BENCH = {"max_new_tokens": 6, "num_steps": 3, "topk": 2, "depth": 3, "total_tokens": 6}
 PNGS = (TAU_PLOT, ACCEPT_PLOT, THROUGHPUT_PLOT)
 
 
@@ -141,8 +141,8 @@ def prompt_file(tmp_path):
     return f
 
 
-def _check_results(r, modes, untrained):
-    kinds = ["baseline", *modes, "prompt_lookup"] + (["untrained"] if untrained else [])
+def _check_results(r, modes, untrained, lookup=True):
+    kinds = ["baseline", *modes] + (["prompt_lookup"] if lookup else []) + (["untrained"] if untrained else [])
     assert set(r["tau"]) == set(r["speedup"]) == set(r["tokens_per_s"]) == set(modes)
     assert set(r["per_category"]) == {"writing", "math"}
     for cat in r["per_category"].values():
@@ -181,7 +181,8 @@ def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
 
 
 def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_file, tmp_path):
-    cfg = PipelineConfig(target=TargetConfig(**TINY_TARGET), bench=BenchConfig(**TINY_BENCH, modes=["chain"]))
+    bench = BenchConfig(**TINY_BENCH, modes=["chain"], prompt_lookup=False)
+    cfg = PipelineConfig(target=TargetConfig(**TINY_TARGET), bench=bench)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0 / s, "acc_0": 0.1 * s, "tau": 1 + 0.1 * s})
                                + "\n" for s in (1, 2, 3)))
@@ -189,7 +190,8 @@ def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_f
     results = run_bench(cfg, drafter_dir, str(prompt_file), out=out, train_metrics=metrics)
     on_disk = json.loads((out / RESULTS_NAME).read_text())
     assert on_disk == results
-    _check_results(on_disk, ["chain"], untrained=False)
+    _check_results(on_disk, ["chain"], untrained=False, lookup=False)
+    assert on_disk["prompt_lookup"] is None
     assert on_disk["config"]["prompts"] == str(prompt_file) and on_disk["config"]["bench"]["num_steps"] == 3
     assert {"device", "target", "drafter"} <= set(on_disk)
     for png in (*PNGS, TRAINING_PLOT):

@@ -86,6 +86,11 @@ def _entry(results: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
+def _colors(results: dict[str, Any]) -> dict[str, str]:
+    """One colour per kind, the same in every plot."""
+    return {"baseline": "0.6", **{k: f"C{i}" for i, k in enumerate(_kinds(results))}}
+
+
 def _label(results: dict[str, Any], kind: str) -> str:
     b = (results.get("config") or {}).get("bench") or {}
     details = {
@@ -225,7 +230,8 @@ def _plot_throughput(results: dict[str, Any], path: Path) -> None:
     tps = [_entry(results, k).get("tokens_per_s") or 0.0 for k in kinds]
     fig = Figure(figsize=(7, 3.8))
     ax = fig.add_subplot()
-    bars = ax.bar(kinds, tps, color=["0.6"] + [f"C{i}" for i in range(len(kinds) - 1)])
+    colors = _colors(results)
+    bars = ax.bar(kinds, tps, color=[colors[k] for k in kinds])
     for kind, bar in zip(kinds, bars):
         speedup = 1.0 if kind == "baseline" else _entry(results, kind).get("speedup")
         ax.annotate(_num(speedup, "{:.2f}x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -243,10 +249,11 @@ def _plot_tau_by_category(results: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(max(6.0, 1.1 * len(cats) + 2), 4))
     ax = fig.add_subplot()
     width = 0.8 / max(len(kinds), 1)
+    colors = _colors(results)
     for i, kind in enumerate(kinds):
         taus = [(per_cat[c].get(kind) or {}).get("tau") or 0.0 for c in cats]
         ax.bar([x + (i - (len(kinds) - 1) / 2) * width for x in range(len(cats))], taus, width, label=kind,
-               color=f"C{i}")
+               color=colors[kind])
     ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     ax.set_ylabel("tau (tokens per verify step)")
@@ -259,13 +266,14 @@ def _plot_tau_by_category(results: dict[str, Any], path: Path) -> None:
 def _plot_accept_by_position(results: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(6, 3.8))
     ax = fig.add_subplot()
-    for i, kind in enumerate(_kinds(results)):
+    colors = _colors(results)
+    for kind in _kinds(results):
         curve = _entry(results, kind).get("accept_by_position") or []
         if curve:
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=kind, color=f"C{i}")
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=kind, color=colors[kind])
     ax.set_xlabel("draft position i")
     ax.set_ylabel("verify steps accepting ≥ i drafts")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(-0.03, 1.05)  # a curve at 0 (nothing accepted) stays visible
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title("Acceptance by draft position")
     if ax.get_legend_handles_labels()[0]:

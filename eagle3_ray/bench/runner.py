@@ -59,9 +59,10 @@ class BenchActor:
 
     def warmup(self, prompt: Prompt, bench: dict[str, Any]) -> None:
         """One short decode per mode: first-call costs (allocator, kernels, caches) stay out of the timings."""
+        b = BenchConfig.model_validate(bench)
         ids = self._render([{"role": "user", "content": prompt.turns[0]}])
-        for run in self._runners(BenchConfig.model_validate(bench)).values():
-            run(ids, WARMUP_TOKENS)
+        for run in self._runners(b).values():
+            run(ids, min(WARMUP_TOKENS, b.max_new_tokens))
 
     def run_category(self, prompts: list[Prompt], bench: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         """Raw per-turn records of every mode: ``{kind: [{prompt_id, turn, prompt_tokens, stats, ...}]}``."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -267,9 +268,7 @@ class SGLangEngine:
 
         sglang = import_sglang()
         described = describe_target(target_cfg)
-        self.info = EngineInfo(
-            **{**described.__dict__, "extra": {"backend": "sglang", "mode": mode, "tp_size": target_cfg.tp_size}}
-        )
+        self.info = replace(described, extra={"backend": "sglang", "mode": mode, "tp_size": target_cfg.tp_size})
         self.mode = mode
         self._dir: Path | None = None
         if mode == "capture":

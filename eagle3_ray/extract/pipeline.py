@@ -254,6 +254,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
             min_size=cfg.extract.num_actors, max_size=cfg.extract.max_actors or cfg.extract.num_actors
         ),
         num_gpus=cfg.extract.num_gpus_per_actor or None,
+        num_cpus=cfg.extract.num_cpus_per_actor,
         batch_size=rows_per_batch,
         batch_format="numpy",
     )

@@ -148,6 +148,8 @@ def train_func(job_dict: dict[str, Any]) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
     if job.use_gpu:
         torch.cuda.set_device(device)
+    else:  # Ray pins OMP threads to 1 per CPU-less actor; use the CPUs this worker reserved
+        torch.set_num_threads(t["cpus_per_worker"])
     drafter, lm_head = _build_drafter(job, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
 

@@ -125,7 +125,11 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     trainer = TorchTrainer(
         train_func,
         train_loop_config=asdict(job),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=job.use_gpu),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.train.num_workers,
+            use_gpu=job.use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if job.use_gpu else {})},
+        ),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-train",
             storage_path=str(storage),
