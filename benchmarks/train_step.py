@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (e.g. 785 on H200)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layer and head")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     drafter.bind_embedding(torch.randn(a.vocab, a.hidden) * 0.02)
     drafter = drafter.to(device=dev, dtype=dtype)
     lm_head = (torch.randn(a.vocab, a.hidden) * 0.02).to(device=dev, dtype=dtype)
+    if a.compile:
+        drafter.midlayer = torch.compile(drafter.midlayer, dynamic=True)
+        drafter.norm = torch.compile(drafter.norm, dynamic=True)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
     seq = a.seq
     batch = {
@@ -107,6 +111,7 @@ def main(argv=None) -> int:
                                              "draft_vocab", "seq", "ttt_steps")},
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "dtype": a.dtype,
+        "compile": a.compile,
         "step_seconds": seconds,
         "tokens_per_s": seq / seconds,
         "model_tflops_per_step": flops / 1e12,

@@ -47,8 +47,11 @@ start() {
     echo $! >"$PID_FILE"
     local deadline=$((SECONDS + START_TIMEOUT_S))
     until python - "$DASHBOARD_PORT" <<'PY' 2>/dev/null
-import sys, urllib.request
-urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/api/version", timeout=2).read()
+import sys, urllib.error, urllib.request
+try:  # any HTTP answer, 401 included (Ray 2.60 token auth), means the job server is listening
+    urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/api/version", timeout=2).read()
+except urllib.error.HTTPError:
+    pass
 PY
     do
         if ! running; then

@@ -73,12 +73,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except Eagle3Error as e:
-        print(f"eagle3-ray {args.command}: error: {e}", file=sys.stderr)
+        print(f"eagle3-ray {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: Exception) -> str:
+    """Multi-line messages (e.g. one line per invalid config key) joined so logs and grep see one line."""
+    # An error raised inside a Ray task or actor arrives as RayTaskError(<our type>), whose text is the
+    # remote traceback; the user needs the original message.
+    while isinstance(getattr(e, "cause", None), Eagle3Error):
+        e = e.cause
+    head, *rest = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return head if not rest else head.rstrip(":") + ": " + "; ".join(rest)
+
+
+def _writable_out(out: str) -> None:
+    """Refuse an unusable --out before Ray starts, instead of a traceback from the first write."""
+    import tempfile
+
+    from eagle3_ray.errors import ConfigError
+
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"--out {out} is not a writable directory ({e.strerror}); pass a directory you can write to"
+        ) from None
 
 
 def _dispatch(args) -> int:
     cmd = args.command
+    if args.out:
+        _writable_out(args.out)
     if cmd == "export":
         from eagle3_ray.train.checkpoint import export_from_training
 

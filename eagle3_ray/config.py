@@ -102,7 +102,14 @@ class ExtractConfig(_Section):
     num_cpus_per_actor: float = Field(
         1.0, gt=0.0, description="CPUs per engine actor; on CPU-only runs this also sets its torch threads."
     )
-    shard_max_bytes: int = Field(256 * 2**20, ge=1, description="Target size of one feature shard.")
+    concurrent_batches: int | None = Field(
+        None, ge=1, description="Batches one engine actor runs at once (threads): the next forward "
+        "overlaps the last one's device-to-host copy. Default 2 on GPU, 1 on CPU."
+    )
+    shard_max_bytes: int = Field(
+        256 * 2**20, ge=1, description="Shard size where features stream through Ray Data (online/hybrid "
+        "writes); offline extraction commits one shard per engine batch (~batch_tokens x 8H bytes)."
+    )
     disk_margin: float = Field(1.1, ge=1.0, description="Preflight needs projected bytes x margin free.")
     on_corrupt_shard: Literal["skip", "abort"] = Field("abort", description="Reader policy.")
 

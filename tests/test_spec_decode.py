@@ -24,6 +24,16 @@ from eagle3_ray.spec import (
 from eagle3_ray.spec.sampling import Sampling, probs, verify_chain, verify_children
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-1 decoding is hundreds of tiny ops; on a shared 2-core machine one thread runs them
+    an order of magnitude faster than two threads that wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _target(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -180,6 +190,9 @@ def test_drafter_chain_is_the_training_unroll(tiny_llama_config):
     """Drafting K tokens after an incremental commit equals TTT's steps 0..K-1 at the last position."""
     target = _target(tiny_llama_config)
     drafter = prepare_drafter(_drafter(tiny_llama_config, seed=3), target)
+    with torch.no_grad():  # sharp attention, so a wrong position or a stale key shows in the output
+        drafter.midlayer.self_attn.q_proj.weight.mul_(8.0)
+        drafter.midlayer.self_attn.k_proj.weight.mul_(8.0)
     g = torch.Generator().manual_seed(5)
     seq = torch.randint(3, tiny_llama_config.vocab_size, (12,), generator=g)  # x_0..x_11
     aux = torch.randn(11, 3 * tiny_llama_config.hidden_size, generator=g)  # states at 0..10
@@ -188,6 +201,7 @@ def test_drafter_chain_is_the_training_unroll(tiny_llama_config):
     proposer.extend(seq[1:7], aux[:6])
     proposer.draft_chain(3, Sampling())  # leaves draft keys in the cache, which the next extend drops
     proposer.extend(seq[7:12], aux[6:11])
+    committed_hidden = proposer.hidden[0, -1]  # [H]
     drafts = proposer.draft_chain(3, Sampling()).ids
 
     # Training layout: step i feeds token x_{t+1+i} with step i-1's output, positions t + i.
@@ -197,6 +211,8 @@ def test_drafter_chain_is_the_training_unroll(tiny_llama_config):
     with torch.no_grad():
         for i in range(3):
             hidden = drafter(ids[1 + i : 12 + i][None], hidden, pos + i, ttt_attention_mask(seq_ids, i), cache)
+            if i == 0:
+                torch.testing.assert_close(committed_hidden, hidden[0, -1])
             expected.append(int(drafter.draft_to_target(drafter.logits(hidden)[0, -1].argmax())))
     assert drafts == expected
 
@@ -235,11 +251,23 @@ def test_tree_children_are_the_drafter_top_k(tiny_llama_config):
 
 
 def _check_distribution(samples: list[int], expected: torch.Tensor) -> None:
-    """Every token's empirical frequency within 4.5 standard errors (+0.005) of its probability."""
+    """Pearson chi-square goodness of fit at significance 1e-4 (tokens expected < 5 times pooled).
+
+    Runs are seeded, so the verdict is deterministic; the level only says how unlucky a correct
+    implementation would have to be to fail.
+    """
     n = len(samples)
-    freq = torch.bincount(torch.tensor(samples), minlength=expected.shape[0]).double() / n
-    err = (expected.double() * (1 - expected.double()) / n).sqrt() * 4.5 + 0.005
-    assert bool(((freq - expected.double()).abs() <= err).all()), (freq, expected)
+    observed = torch.bincount(torch.tensor(samples), minlength=expected.shape[0]).double()  # [V]
+    want = expected.double() * n  # [V]
+    small = want < 5
+    observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    want = torch.cat([want[~small], want[small].sum()[None]])
+    keep = want > 0
+    assert float(observed[~keep].sum()) == 0, "a token of probability 0 was generated"
+    chi2 = float(((observed[keep] - want[keep]) ** 2 / want[keep]).sum())
+    df = int(keep.sum()) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.72 * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty, z(1e-4)
+    assert chi2 < critical, (chi2, critical, observed.tolist(), want.tolist())
 
 
 def test_rejection_rules_reproduce_the_target_distribution():
@@ -261,7 +289,8 @@ def test_rejection_rules_reproduce_the_target_distribution():
 
 @pytest.fixture(scope="module")
 def peaked():
-    """A 16-token target and drafter whose distributions are far apart (so wrong rules are caught)."""
+    """A 16-token target with a peaked distribution and a near-uniform random drafter: they overlap
+    enough that half the drafts are accepted and a wrong residual visibly biases the output."""
     config = LlamaConfig(
         vocab_size=16,
         hidden_size=32,
@@ -277,14 +306,13 @@ def peaked():
     )
     target = _target(config, seed=2)
     with torch.no_grad():
-        target.lm_head.weight.mul_(60.0)  # random init is near uniform; make p peaked
+        target.lm_head.weight.mul_(10.0)  # random init is near uniform; make p peaked
         drafter = _drafter(config, seed=3, aux_layers=[1, 2, 3])
-        drafter.lm_head.weight.mul_(20.0)
     return target, drafter
 
 
 @pytest.mark.parametrize(
-    "mode,params", [("chain", {"num_steps": 2}), ("tree", {"topk": 3, "depth": 2, "total_tokens": 5, "top_p": 0.9})]
+    "mode,params", [("chain", {"num_steps": 2}), ("tree", {"topk": 4, "depth": 2, "total_tokens": 6, "top_p": 0.9})]
 )
 def test_sampled_tokens_follow_the_target_distribution(peaked, mode, params):
     """Token 2 is the first one a verify step decides (token 1 comes from the prefill logits)."""
@@ -297,14 +325,14 @@ def test_sampled_tokens_follow_the_target_distribution(peaked, mode, params):
         p2 = probs(target(two).logits[:, -1], Sampling(temperature, top_p))  # [16, 16]: p(t2 | t1)
     expected = p1 @ p2  # marginal of token 2
     second, accepted = [], 0
-    for seed in range(1500):
+    for seed in range(1600):
         out, stats = generate(
             target, drafter, prompt, 2, mode=mode, temperature=temperature, seed=seed, eos_token_id=[], **params
         )
         second.append(out[1])
         accepted += stats.accept_hist[0] == 0
     _check_distribution(second, expected)
-    assert 50 < accepted < 1450, accepted  # both acceptance and rejection were exercised
+    assert 100 < accepted < 1500, accepted  # both acceptance and rejection were exercised
 
 
 def test_bad_arguments_raise_config_errors(tiny):

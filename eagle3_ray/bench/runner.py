@@ -334,29 +334,55 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _sglang_results(cfg: PipelineConfig, drafter_dir: str, sets: dict[str, list[Prompt]]) -> dict[str, Any]:
-    """SGLang targets: the colleague's engine benchmark, reshaped into the results.json layout."""
+    """SGLang targets: the engine benchmark in a Ray task owning the engine's GPUs, then reshaped."""
     from eagle3_ray.bench.sglang_bench import run_sglang_bench
+    from eagle3_ray.ray_session import init_ray
 
-    raw = run_sglang_bench(cfg, drafter_dir, {cat: [p.turns for p in ps] for cat, ps in sets.items()})
-    mode = "eagle3"
-    spec, base = raw["eagle3"], raw["baseline"]
-    per_category = {
-        cat: {"baseline": (base.get("per_category") or {}).get(cat), mode: row}
-        for cat, row in (spec.get("per_category") or {}).items()
-    }
+    ray = init_ray(cfg.ray)
+    task = ray.remote(num_gpus=max(cfg.target.tp_size, cfg.bench.num_gpus))(run_sglang_bench)
+    raw = ray.get(task.remote(cfg, drafter_dir, {cat: [p.turns for p in ps] for cat, ps in sets.items()}))
     return {
-        "tau": {mode: spec.get("tau")},
-        "tokens_per_s": {mode: spec.get("tokens_per_s")},
-        "speedup": {mode: spec.get("speedup")},
-        "accept_by_position": {mode: spec.get("accept_by_position") or []},
-        "modes": {mode: spec},
-        "baseline": base,
-        "prompt_lookup": None,
-        "untrained": None,
-        "per_category": per_category,
+        **sglang_to_results(raw),
         "num_prompts": sum(len(ps) for ps in sets.values()),
         "num_turns": sum(len(p.turns) for ps in sets.values() for p in ps),
-        "device": raw.get("device", "cuda"),
         "target": cfg.target.model,
         "drafter": drafter_dir,
+    }
+
+
+def sglang_to_results(raw: dict[str, Any], mode: str = "eagle3") -> dict[str, Any]:
+    """``run_sglang_bench``'s output in the results.json layout, as one mode named ``mode``."""
+
+    def row(r: dict[str, Any] | None, speedup: float | None = None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {
+            "tau": r.get("tau"),
+            "accept_by_position": [],  # SGLang reports accept lengths, not per-position rates
+            "tokens_per_s": r.get("tokens_per_s"),
+            "speedup": r.get("speedup", speedup),
+            "new_tokens": r.get("completion_tokens"),
+            "verify_steps": r.get("spec_verify_ct"),
+            "seconds": r.get("seconds"),
+            "turns": r.get("turns"),
+        }
+
+    spec, base = raw["eagle3"], raw["baseline"]
+    overall = row(spec)
+    base_cats = base.get("per_category") or {}
+    return {
+        "tau": {mode: overall["tau"]},
+        "tokens_per_s": {mode: overall["tokens_per_s"]},
+        "speedup": {mode: overall["speedup"]},
+        "accept_by_position": {mode: []},
+        "modes": {mode: overall},
+        "baseline": row(base, 1.0),
+        "prompt_lookup": None,
+        "untrained": None,
+        "per_category": {
+            cat: {"baseline": row(base_cats.get(cat), 1.0), mode: row(r)}
+            for cat, r in (spec.get("per_category") or {}).items()
+        },
+        "device": raw.get("device", "cuda"),
+        "engine": raw.get("engine"),
     }

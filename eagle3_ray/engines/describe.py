@@ -13,7 +13,7 @@ from typing import Any
 
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import EngineInfo, resolve_aux_layers
-from eagle3_ray.errors import TargetLoadError
+from eagle3_ray.errors import ConfigError, TargetLoadError
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"}
@@ -61,9 +61,26 @@ def _weights_identity(cfg: TargetConfig) -> dict[str, Any]:
     return {"weights": [(p.name, p.stat().st_size) for p in files]}
 
 
+def check_tp_size(hf: Any, tp_size: int) -> None:
+    """Tensor parallelism shards attention heads over ranks: refuse a tp_size the heads do not divide
+    here, on the driver, rather than after an engine has been given its GPUs."""
+    heads = getattr(hf, "num_attention_heads", None)
+    if tp_size == 1 or heads is None:
+        return
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    # KV heads are split when there are at least tp of them, otherwise replicated tp // kv times.
+    kv_ok = kv % tp_size == 0 if kv >= tp_size else tp_size % kv == 0
+    if heads % tp_size or not kv_ok:
+        raise ConfigError(
+            f"target.tp_size={tp_size} does not divide the target's {heads} attention heads / {kv} KV heads; "
+            f"use a tp_size that divides {heads} (and divides or is a multiple of {kv})"
+        )
+
+
 def describe_target(cfg: TargetConfig) -> EngineInfo:
     """EngineInfo from the config and weight-file identity only (no weights loaded)."""
     hf = target_hf_config(cfg)
+    check_tp_size(hf, cfg.tp_size)
     num_layers = int(hf.num_hidden_layers)
     config = {k: v for k, v in hf.to_dict().items() if k not in _VOLATILE}
     ident = json.dumps({"config": config, "weights": _weights_identity(cfg)}, sort_keys=True, default=str)

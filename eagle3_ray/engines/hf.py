@@ -117,11 +117,10 @@ class HFEngine:
         )
         aux = torch.cat([out.hidden_states[k] for k in self.info.aux_layers], dim=-1)  # [B, Tmax, 3H]
         last = out.last_hidden_state  # [B, Tmax, H], post final norm = lm_head input
-        # copy=True so each Capture owns its rows instead of pinning the whole padded batch.
-        return [
-            Capture(aux[row, :n].to("cpu", copy=True), last[row, :n].to("cpu", copy=True))
-            for row, n in enumerate(lengths)
-        ]
+        # One bulk device-to-host copy per tensor (per-row copies cost a sync each); rows are views
+        # of it, consumed (serialized or written) right after capture.
+        aux, last = aux.to("cpu", copy=True), last.to("cpu", copy=True)
+        return [Capture(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
 
     @torch.inference_mode()
     def generate(

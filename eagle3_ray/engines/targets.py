@@ -220,7 +220,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     resolved = resolve_target(cfg.model, cfg.cache_dir)
     dev = resolve_device(device, cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
-    model = _load_model(resolved, cfg.seed, dtype).to(dev).eval()
+    model = _load_model(resolved, cfg.seed, dtype, dev).to(dev).eval()
     model.requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_path)
@@ -238,16 +238,22 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     return LoadedTarget(model, tokenizer, resolved, dev, dtype)
 
 
-def _load_model(resolved: ResolvedTarget, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(
+    resolved: ResolvedTarget, seed: int, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         if resolved.model_path is not None:
             return AutoModelForCausalLM.from_pretrained(resolved.model_path, dtype=dtype)
         config = AutoConfig.for_model(**json.loads(resolved.config_source.read_text(encoding="utf-8")))
-        # Initialise fp32 on CPU whatever the final device/dtype: the same seed then gives the same
-        # weights in every process (CUDA and CPU RNG streams differ).
         torch.manual_seed(seed)
+        if device.type == "cuda":
+            # Billions of random weights: initialise on the GPU in the final dtype (seconds, not
+            # minutes). Same seed, same GPU model -> same weights; not bit-equal to a CPU init.
+            with torch.device(device):
+                return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # On CPU initialise in fp32 whatever the final dtype: an fp32 and a bf16 load then agree.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise TargetLoadError(

@@ -1,8 +1,8 @@
 """Ray Data stages: prepare (read -> tokenize), extract (engine actor pool -> validated shards).
 
     prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> prepared.parquet
-    extract:  read_parquet -> skip completed ids -> preflight -> map_batches(CaptureUDF, ActorPoolStrategy)
-              -> write_datasink(FeatureStore: validate, atomic shards, rejects)
+    extract:  read_parquet -> skip completed ids -> preflight -> map_batches(CaptureWriteUDF,
+              ActorPoolStrategy): capture, validate, commit one atomic shard per batch in the actor
 
 Every stage writes its resolved config and a summary.json next to its outputs and resumes where it
 stopped: prepare is atomic (all or nothing), extract skips samples already committed to the store.
@@ -11,6 +11,7 @@ stopped: prepare is atomic (all or nothing), extract skips samples already commi
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,10 @@ PREPARED_FILE = "prepared.parquet"
 REJECTS_FILE = "rejects.jsonl"
 SUMMARY_FILE = "summary.json"
 TOKENIZE_BATCH = 64
+# Ray Data restarts a dead engine actor and retries its batches without limit by default
+# (max_restarts=-1, max_task_retries=-1): a batch that kills its actor every time (host OOM, a
+# driver crash on one input) would loop forever. Bounded, such a run fails and a rerun resumes.
+ENGINE_ACTOR_RESTARTS = 4
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -174,35 +179,18 @@ class ExtractSummary:
     store: str
 
 
-def _store_totals(root: Path) -> tuple[int, int, int]:
-    """(samples, tokens, bytes) committed to the store, read from its completion markers."""
-    from eagle3_ray.features.store import manifest
-
-    entries = manifest(root)
-    return (
-        sum(len(e["sample_ids"]) for e in entries),
-        sum(int(e["tokens"]) for e in entries),
-        sum(int(e["bytes"]) for e in entries),
-    )
-
-
-def _progress_line(root: Path, meter, base: tuple[int, int, int]) -> str:
-    now = _store_totals(root)
-    meter.set(*(n - b for n, b in zip(now, base)))
-    return meter.line()
-
-
 def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> ExtractSummary:
     """Capture hidden states for every prepared sample not yet in the store at `out`."""
     import ray
 
     from eagle3_ray.engines.describe import describe_target
-    from eagle3_ray.extract.udfs import CaptureUDF, make_datasink
+    from eagle3_ray.extract.udfs import CaptureWriteUDF
     from eagle3_ray.features.preflight import check_disk
     from eagle3_ray.features.store import (
         FeatureStoreWriter, StoreMeta, cleanup_orphans, completed_ids, rejected_ids,
     )
-    from eagle3_ray.progress import Poller, RateMeter
+    from eagle3_ray.features.record import bytes_per_token
+    from eagle3_ray.progress import RateMeter
 
     t0 = time.monotonic()
     src = prepared_path(prepared)
@@ -237,33 +225,45 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         return _finish_extract(out, t0, skipped, 0)
     check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin)
 
+    concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
     rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
     done_ref = ray.put(done)
-    ds = ray.data.read_parquet(str(src))
+    # One block per engine batch: a single-block input would run every batch in one sequential task
+    # and leave the actor pool (and each actor's concurrent calls) idle.
+    ds = ray.data.read_parquet(str(src)).repartition(max(1, math.ceil(int(todo.sum()) / rows_per_batch)))
     if done:
         ds = ds.filter(lambda row, ref=done_ref: row["sample_id"] not in ray.get(ref))
     ds = ds.map_batches(
-        CaptureUDF,
+        CaptureWriteUDF,
         fn_constructor_kwargs=dict(
-            target_cfg=cfg.target.model_dump(),
-            batch_tokens=cfg.extract.batch_tokens,
-            expected_hidden=info.hidden_size,
+            target_cfg=cfg.target.model_dump(), batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=meta,
         ),
         compute=ray.data.ActorPoolStrategy(
-            min_size=cfg.extract.num_actors, max_size=cfg.extract.max_actors or cfg.extract.num_actors
+            min_size=cfg.extract.num_actors,
+            max_size=cfg.extract.max_actors or cfg.extract.num_actors,
+            max_concurrent_calls_per_actor=concurrent,
+            enable_true_multi_threading=concurrent > 1,
         ),
         num_gpus=cfg.extract.num_gpus_per_actor or None,
         num_cpus=cfg.extract.num_cpus_per_actor,
+        max_restarts=ENGINE_ACTOR_RESTARTS,
+        max_task_retries=ENGINE_ACTOR_RESTARTS,
         batch_size=rows_per_batch,
         batch_format="numpy",
     )
-    sink = make_datasink(str(out), meta, cfg.extract.shard_max_bytes)
     meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
-    base = _store_totals(out)
-    with Poller(lambda: _progress_line(out, meter, base), interval=10):
-        ds.write_datasink(sink)
-    return _finish_extract(out, t0, skipped, sink.totals.get("rejected", 0))
+    last = time.monotonic()
+    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+        ok = batch["status"] == "ok"
+        meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
+                     nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size),
+                     rejected=int((batch["status"] == "rejected").sum()))
+        if time.monotonic() - last > 10:
+            print(meter.line(), flush=True)
+            last = time.monotonic()
+    print(meter.line(), flush=True)
+    return _finish_extract(out, t0, skipped, meter.rejected)
 
 
 def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> ExtractSummary:

@@ -96,6 +96,64 @@ class CaptureUDF:
         }
 
 
+class CaptureWriteUDF:
+    """Offline extraction: capture, validate and commit one shard per batch inside the engine actor.
+
+    Features never cross the object store (at 8B scale a batch is ~270 MB: serialising it and
+    re-reading it in a writer task cost more than the forward). The shard is named after the batch's
+    sample ids, so a retried call (actor died after committing) finds its shard and does no work
+    twice; a call that died before committing left nothing. Calls may run concurrently in threads
+    (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
+    """
+
+    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: dict[str, Any]):
+        from eagle3_ray.engines.factory import build_engine
+
+        self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
+        if self.engine.info.hidden_size != meta["hidden_size"]:
+            raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta['hidden_size']}")
+        self.root, self.meta = root, meta
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import hashlib
+        from pathlib import Path
+
+        import torch
+
+        from eagle3_ray.errors import SampleRejected
+        from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
+
+        sids = [str(s) for s in batch["sample_id"]]
+        ids = [np.asarray(a, dtype=np.int32) for a in batch["input_ids"]]
+        wid = "b" + hashlib.sha1("\n".join(sids).encode()).hexdigest()[:16]
+        lengths = np.asarray([len(a) for a in ids], dtype=np.int64)
+        if (Path(self.root) / "shards" / f"{wid}-000000.done.json").exists():
+            return {"sample_id": batch["sample_id"], "num_tokens": lengths,
+                    "status": np.asarray(["skipped"] * len(sids), dtype=object),
+                    "reason": np.asarray([""] * len(sids), dtype=object)}
+        captures = self.engine.capture([a.tolist() for a in ids])
+        status, reasons = [], []
+        with FeatureStoreWriter(self.root, StoreMeta(**self.meta), writer_id=wid, shard_max_bytes=2**62) as w:
+            for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
+                rec = {
+                    "sample_id": sid,
+                    "input_ids": torch.from_numpy(a),
+                    "loss_mask": torch.from_numpy(np.array(mask, dtype=np.uint8)),
+                    "aux_hidden": cap.aux_hidden.to(torch.bfloat16),
+                    "last_hidden": cap.last_hidden.to(torch.bfloat16),
+                }
+                try:
+                    w.add(rec)
+                    status.append("ok")
+                    reasons.append("")
+                except SampleRejected as e:
+                    w.reject(sid, str(source), str(e), stage="extract")
+                    status.append("rejected")
+                    reasons.append(str(e))
+        return {"sample_id": batch["sample_id"], "num_tokens": lengths,
+                "status": np.asarray(status, dtype=object), "reason": np.asarray(reasons, dtype=object)}
+
+
 def _rows(blocks: Iterable[Any]) -> Iterable[dict[str, Any]]:
     from ray.data.block import BlockAccessor
 

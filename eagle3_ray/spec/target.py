@@ -10,6 +10,7 @@ both the ``sdpa`` and ``eager`` attentions add it to the scores.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +43,8 @@ class TargetRunner:
         self.aux_layers = list(aux_layers)
         self.cache = DynamicCache(config=model.config)
         self.device = model.get_input_embeddings().weight.device
+        # transformers 5.24 renamed past_key_values to cache; earlier 5.x only take the old name.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @property
     def length(self) -> int:
@@ -60,9 +63,9 @@ class TargetRunner:
             input_ids=ids[None].to(self.device),
             position_ids=positions[None].to(self.device),
             attention_mask=None if mask is None else self._additive_mask(mask, past),
-            cache=self.cache,
             use_cache=True,
             output_hidden_states=self.aux_layers or False,  # only these states are kept
+            **{self.cache_kwarg: self.cache},
         )
         aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
         return TargetOut(out.logits[0].float(), aux)

@@ -1,0 +1,286 @@
+"""Fault injection on a real local Ray: processes are SIGKILLed mid-run and the work still completes.
+
+1. An extraction engine actor (Ray Data ``MapWorker(MapBatches(CaptureWriteUDF))``) is killed once the
+   first shard is committed: the run finishes with every sample exactly once in the store.
+2. A Ray Train worker (``RayTrainWorker``) is killed after the first checkpoint: training restarts
+   from that checkpoint by itself, with its step counter, LR schedule and data position.
+3. The whole ``eagle3-ray run`` is killed mid-training and rerun: finished stages are skipped,
+   training resumes at its step, and the benchmark measures only the categories it lacks.
+
+Victims are found among this test's own descendant processes by their Ray process title, so a
+concurrent Ray of someone else is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from eagle3_ray.config import load_config
+
+CI_CONFIG = "configs/ci-tiny.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 300
+ENGINE_ACTOR = "ray::MapWorker(MapBatches(Capture"  # the extraction engine actor's process title  # generous: the machine is shared; a hang still fails the test
+
+
+def _descendants(title: str, root: psutil.Process | None = None) -> list[psutil.Process]:
+    """Live descendants of ``root`` (default: this process) whose command line contains ``title``."""
+    found = []
+    for p in (root or psutil.Process()).children(recursive=True):
+        try:
+            if title in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _wait_for(what: str, cond, deadline_s: float = WAIT_S, poll_s: float = 0.05):
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Background:
+    """Runs ``fn`` in a thread (the test process stays the Ray driver) and keeps its result or error."""
+
+    def __init__(self, fn):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as e:  # re-raised in the test thread by join()
+            self.error = e
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self):
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the run did not finish after the fault"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _kill(procs: list[psutil.Process]) -> list[int]:
+    pids = []
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+            pids.append(p.pid)
+        except ProcessLookupError:
+            continue
+    return pids
+
+
+# ---------------------------------------------------------------- 1. extraction actor death
+
+
+@pytest.fixture(scope="module")
+def many_samples(ray_local, tmp_path_factory):
+    """ci_tiny's conversations 10x over (unique ids), prepared: enough batches for a mid-run."""
+    from eagle3_ray.data.sources import resolve_data_path
+    from eagle3_ray.extract.pipeline import run_prepare
+
+    root = tmp_path_factory.mktemp("many")
+    lines = resolve_data_path("builtin:ci_tiny").read_text(encoding="utf-8").splitlines()
+    with open(root / "data.jsonl", "w", encoding="utf-8") as f:
+        for copy in range(10):
+            for n, line in enumerate(lines):
+                rec = json.loads(line)
+                rec["id"] = f"c{copy}-{n}"
+                f.write(json.dumps(rec) + "\n")
+    summary = run_prepare(load_config(CI_CONFIG), str(root / "data.jsonl"), root / "prepare")
+    assert summary.samples == 120
+    return root / "prepare"
+
+
+def test_killing_an_extraction_actor_mid_run_loses_and_duplicates_nothing(many_samples, tmp_path):
+    import pyarrow.parquet as pq
+
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.features import open_store
+    from eagle3_ray.features.store import completed_ids, manifest
+
+    # ~2 samples per engine call (one shard each): many batches and commits for the fault to fall between.
+    cfg = load_config(CI_CONFIG, ["extract.batch_tokens=128"])
+    out = tmp_path / "features"
+    run = Background(lambda: run_extract(cfg, many_samples, out))
+    _wait_for("the first committed shard", lambda: completed_ids(out) if (out / "shards").is_dir() else None)
+    actors = _wait_for("the engine actor", lambda: _descendants(ENGINE_ACTOR))
+    done_at_kill = len(completed_ids(out))
+    killed = _kill(actors)
+    assert killed and run.alive() and done_at_kill < 120, "the fault must land mid-run"
+
+    summary = run.join()
+    expected = sorted(pq.read_table(many_samples / "prepared.parquet", columns=["sample_id"]).column(0).to_pylist())
+    from_markers = [sid for m in manifest(out) for sid in m["sample_ids"]]
+    store = open_store(out, verify=True)
+    assert sorted(from_markers) == expected, "manifest: every sample exactly once"
+    assert sorted(store.sample_ids) == expected and not store.duplicate_ids, "shards agree with the manifest"
+    assert summary.samples == 120
+    FAULTS["extraction actor SIGKILL"] = {"killed_pids": killed, "samples_done_at_kill": done_at_kill,
+                                          "samples_lost": 0, "samples_duplicated": len(store.duplicate_ids)}
+
+
+# ---------------------------------------------------------------- 2. training worker death
+
+
+@pytest.fixture(scope="module")
+def train_inputs(ray_local, tmp_path_factory):
+    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.vocab_stage import run_vocab
+
+    cfg = load_config(CI_CONFIG)
+    root = tmp_path_factory.mktemp("train_inputs")
+    run_prepare(cfg, None, root / "prepare")
+    run_extract(cfg, root / "prepare", root / "features")
+    run_vocab(cfg, root / "features", root / "vocab")
+    return root
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_killing_a_train_worker_resumes_from_the_last_checkpoint(train_inputs, tmp_path):
+    from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
+    from eagle3_ray.train.trainer import run_training
+
+    steps, every = 24, 4
+    cfg = load_config(CI_CONFIG, [f"train.max_steps={steps}", f"train.checkpoint_every={every}", "train.log_every=1",
+                                  "train.epochs=8", "train.max_failures=2"])
+    out = tmp_path / "train"
+    run = Background(lambda: run_training(cfg, train_inputs / "features", train_inputs / "vocab", out))
+    # a step logged after the first checkpoint's report: that checkpoint is registered
+    _wait_for("a step past the first checkpoint", lambda: any(m["step"] > every + 1 for m in _metrics(out)))
+    workers = _descendants("ray::RayTrainWorker")
+    logged_at_kill = max(m["step"] for m in _metrics(out))
+    killed = _kill(workers)
+    assert len(killed) == 1 and run.alive() and logged_at_kill < steps, "the fault must land mid-training"
+
+    final = run.join()
+    state = read_train_state(final)
+    assert state["step"] == steps
+    logged = _metrics(out)
+    seq = [m["step"] for m in logged]
+    restarts = [i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]]
+    assert len(restarts) == 1, f"exactly one restart expected in the step log {seq}"
+    i = restarts[0]
+    resumed_from = seq[i] - 1
+    assert resumed_from >= every and resumed_from % every == 0, f"resumed at step {resumed_from}, not a checkpoint"
+    assert seq[:i] == list(range(1, seq[i - 1] + 1)) and seq[i:] == list(range(resumed_from + 1, steps + 1))
+    # The LR schedule (DeepSpeed scheduler state) continues exactly where the checkpoint left it.
+    before = {m["step"]: m for m in logged[:i]}
+    after = {m["step"]: m for m in logged[i:]}
+    for s in set(before) & set(after):
+        assert after[s]["lr"] == pytest.approx(before[s]["lr"], rel=1e-6)
+    # Data position: one pack per step over the whole run, none consumed twice across the restart.
+    assert len(consumed_packs(final)) == steps
+    loss_first = logged[0]["loss"]
+    assert all(m["loss"] == m["loss"] for m in logged)
+    FAULTS["train worker SIGKILL"] = {"killed_pids": killed, "step_logged_at_kill": logged_at_kill,
+                                      "resumed_from_step": resumed_from, "final_step": state["step"],
+                                      "loss_step1": loss_first, "loss_after_resume": after[resumed_from + 1]["loss"],
+                                      "packs_consumed": len(consumed_packs(final))}
+
+
+# ---------------------------------------------------------------- 3. stop and rerun the whole job
+
+
+def _start_run(out: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "eagle3_ray.cli", "run", "-c", CI_CONFIG, "--out", str(out), *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's run
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def _stop_hard(proc: subprocess.Popen) -> None:
+    """SIGKILL the run and every process it started (its Ray head included), as a crashed node would."""
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait(30)
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> str:
+    rc = proc.wait(WAIT_S * 2)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    return text
+
+
+def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(tmp_path):
+    from eagle3_ray.bench.runner import PARTIAL_DIR
+    from eagle3_ray.train.checkpoint import latest_checkpoint, read_train_state
+
+    out = tmp_path / "run"
+    overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
+    first = _start_run(out, tmp_path / "first.log", *overrides)
+    try:
+        _wait_for("the first training checkpoint",
+                  lambda: list((out / "train").glob("**/train_state.json")) if (out / "train").is_dir() else None,
+                  poll_s=0.2)
+        shards_before = sorted(p.name for p in (out / "features" / "shards").iterdir())
+    finally:
+        _stop_hard(first)
+    assert not (out / "train" / "_DONE.json").exists(), "the stop must land mid-training"
+    stopped_at = read_train_state(latest_checkpoint(out / "train" / "ray_train"))["step"]
+
+    log = _finish(_start_run(out, tmp_path / "second.log", *overrides), tmp_path / "second.log")
+    for stage in ("prepare", "extract", "vocab"):
+        assert f"[run] {stage}: done earlier, skipping" in log
+    assert f"[train] resumed at step {stopped_at}" in log or "[train] resuming from" in log
+    assert sorted(p.name for p in (out / "features" / "shards").iterdir()) == shards_before
+    assert read_train_state(latest_checkpoint(out / "train"))["step"] == 12
+    steps = [m["step"] for m in _metrics(out / "train")]
+    assert steps[-1] == 12 and sorted(set(steps)) == list(range(1, 13))
+
+    # A stop during the benchmark leaves some categories measured: the rerun measures only the rest.
+    partials = sorted((out / "bench" / PARTIAL_DIR).glob("*.json"))
+    kept, lost = partials[:-1], partials[-1]
+    kept_stamp = {p.name: p.stat().st_mtime_ns for p in kept}
+    for p in (lost, out / "bench" / "_DONE.json", out / "bench" / "results.json"):
+        p.unlink()
+    log3 = _finish(_start_run(out, tmp_path / "third.log", *overrides), tmp_path / "third.log")
+    for stage in ("prepare", "extract", "vocab", "train", "export"):
+        assert f"[run] {stage}: done earlier, skipping" in log3
+    assert f"[bench] {len(kept)} categories already measured, 1 to run" in log3
+    assert {p.name: p.stat().st_mtime_ns for p in kept} == kept_stamp and lost.is_file()
+    FAULTS["whole run SIGKILL + rerun"] = {"stopped_at_train_step": stopped_at, "bench_categories_kept": len(kept),
+                                           "bench_categories_rerun": 1, "shards_redone": 0}
+
+
+FAULTS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_figures():
+    """Print the figures docs/reliability.md records (run with -s to see them)."""
+    yield
+    if FAULTS:
+        print("\n[reliability] " + json.dumps(FAULTS, indent=2))
