@@ -83,7 +83,7 @@ def train(engine, records, a, device):
     drafter.to(device)
     lm_head = model.get_output_embeddings().weight.detach().float()
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     lengths = np.array([r["input_ids"].numel() for r in records])
     packs = plan(lengths, a.batch_tokens, a.epochs, seed=0)
     total = len(packs)
@@ -97,7 +97,7 @@ def train(engine, records, a, device):
             log(f"training time budget reached at step {step}/{total}")
             break
         batch = {k: v.to(device) for k, v in collate([records[i] for i in pack.samples]).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -143,7 +143,7 @@ def evaluate(model, tok, drafter, sets, a) -> dict:
     results = {}
     t_start = time.perf_counter()
     for name, convs in sets.items():
-        agg = {m: {"tokens": 0, "steps": 0, "seconds": 0.0} for m in ["baseline", *modes]}
+        agg = {m: {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0} for m in ["baseline", *modes]}
         for turns in convs:
             if time.perf_counter() - t_start > a.eval_seconds:
                 break
@@ -159,11 +159,14 @@ def evaluate(model, tok, drafter, sets, a) -> dict:
                     if out != base:
                         log(f"WARNING {name} {m}: output differs from greedy baseline")
                     agg[m]["tokens"] += st.new_tokens
+                    agg[m]["verified"] += st.new_tokens - 1  # the prefill's token is no verify step
                     agg[m]["steps"] += st.verify_steps
                     agg[m]["seconds"] += st.seconds
                 messages.append({"role": "assistant", "content": tok.decode(base, skip_special_tokens=True)})
+        if agg["baseline"]["tokens"] == 0:  # the evaluation time budget ran out before this set
+            continue
         base_tps = agg["baseline"]["tokens"] / max(agg["baseline"]["seconds"], 1e-9)
-        results[name] = {m: {"tau": v["tokens"] / max(v["steps"], 1) if m != "baseline" else None,
+        results[name] = {m: {"tau": v["verified"] / max(v["steps"], 1) if m != "baseline" else None,
                              "tokens_per_s": v["tokens"] / max(v["seconds"], 1e-9),
                              "speedup": (v["tokens"] / max(v["seconds"], 1e-9)) / base_tps,
                              "tokens": v["tokens"]} for m, v in agg.items()}
@@ -178,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/quality")
+    ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=256)
@@ -206,7 +210,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    cfg = TargetConfig(model=a.gguf, device="cuda", dtype="bfloat16", cache_dir=str(work / "cache"))
+    cfg = TargetConfig(model=a.gguf, device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
+                       cache_dir=str(work / "cache"))
     engine = HFEngine(cfg, batch_tokens=65536)
     tok, model, device = engine.tokenizer, engine.target.model, engine.target.device
     log(f"target loaded ({time.perf_counter() - t0:.0f}s), aux layers {engine.info.aux_layers}")
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
         return sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
 
     summary = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)",
         "train_prompts": a.num_prompts, "train": train_info, "history": hist,
         "eval": results,

@@ -6,7 +6,8 @@
 #   cluster/local-head.sh stop
 #
 # Settings (environment): RAY_HEAD_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_METRICS_PORT (8080),
-# RAY_NUM_CPUS (all), RAY_NUM_GPUS (all), RAY_HEAD_DIR (/tmp/eagle3-ray-head: pid, logs, Ray temp dir).
+# RAY_CLIENT_PORT (10001), RAY_AGENT_PORT (52365), RAY_NUM_CPUS (all), RAY_NUM_GPUS (all),
+# RAY_HEAD_DIR (/tmp/eagle3-ray-head: pid, logs, Ray temp dir).
 #
 # `stop` ends only the head this script started (by the pid of `ray start --block`, whose SIGTERM
 # handler shuts down every process of that node). `ray stop` would instead kill every Ray process
@@ -16,9 +17,15 @@ set -euo pipefail
 HEAD_PORT="${RAY_HEAD_PORT:-6379}"
 DASHBOARD_PORT="${RAY_DASHBOARD_PORT:-8265}"
 METRICS_PORT="${RAY_METRICS_PORT:-8080}"
+CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
+AGENT_PORT="${RAY_AGENT_PORT:-52365}"
 HEAD_DIR="${RAY_HEAD_DIR:-/tmp/eagle3-ray-head}"
 PID_FILE="$HEAD_DIR/head.pid"
 START_TIMEOUT_S="${RAY_START_TIMEOUT_S:-120}"
+# The GCS listens on every interface, so the cluster keeps Ray's token authentication on. Clients
+# (`ray job submit`, drivers, worker nodes) need RAY_AUTH_MODE=token and the same token: from
+# RAY_AUTH_TOKEN or ~/.ray/auth_token (created here when neither exists).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 running() {
     [[ -f "$PID_FILE" ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null
@@ -30,6 +37,9 @@ start() {
         exit 1
     fi
     mkdir -p "$HEAD_DIR/ray"
+    if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && ! -f "$HOME/.ray/auth_token" ]]; then
+        ray get-auth-token --generate >/dev/null
+    fi
     local args=(
         start --head --block
         --port "$HEAD_PORT"
@@ -38,6 +48,8 @@ start() {
         --dashboard-host 127.0.0.1
         --dashboard-port "$DASHBOARD_PORT"
         --metrics-export-port "$METRICS_PORT"
+        --ray-client-server-port "$CLIENT_PORT"
+        --dashboard-agent-listen-port "$AGENT_PORT"
         --temp-dir "$HEAD_DIR/ray"
         --disable-usage-stats
     )

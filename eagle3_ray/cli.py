@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="MT-bench-style JSONL (overrides bench.prompts)")
     p = sub.add_parser("run", help="the whole pipeline, resumable stage by stage")
     _common(p, out_required=False)
+    p.add_argument("--stop-after", choices=["generate", "prepare", "extract", "vocab", "train", "export"],
+                   help="end the run after this stage (rerun without it to continue)")
     return parser
 
 
@@ -72,17 +74,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except Eagle3Error as e:
-        print(f"eagle3-ray {args.command}: error: {_one_line(e)}", file=sys.stderr)
+    except Exception as e:
+        user_error = _user_error(e)
+        if user_error is None:
+            raise
+        print(f"eagle3-ray {args.command}: error: {_one_line(user_error)}", file=sys.stderr)
         return 2
+
+
+def _user_error(e: BaseException) -> Eagle3Error | None:
+    """The Eagle3Error behind ``e``, if any. An error raised inside a Ray task or actor arrives wrapped
+    (RayTaskError, Ray Data's UserCodeException, Ray Train's worker-group error) with the remote
+    traceback as its text; the user needs the original message."""
+    seen: set[int] = set()
+    found: Eagle3Error | None = None
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, Eagle3Error):
+            found = e  # keep walking: RayTaskError(StoreError) is one too, with the traceback as text
+        e = getattr(e, "cause", None) or e.__cause__
+    return found
 
 
 def _one_line(e: Exception) -> str:
     """Multi-line messages (e.g. one line per invalid config key) joined so logs and grep see one line."""
-    # An error raised inside a Ray task or actor arrives as RayTaskError(<our type>), whose text is the
-    # remote traceback; the user needs the original message.
-    while isinstance(getattr(e, "cause", None), Eagle3Error):
-        e = e.cause
     head, *rest = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
     return head if not rest else head.rstrip(":") + ": " + "; ".join(rest)
 
@@ -119,7 +134,7 @@ def _dispatch(args) -> int:
         from eagle3_ray.pipeline import run_pipeline
 
         _ray(cfg)
-        run_pipeline(cfg, data=args.data, out=args.out or f"runs/{cfg.name}")
+        run_pipeline(cfg, data=args.data, out=args.out or f"runs/{cfg.name}", stop_after=args.stop_after)
         return 0
     _ray(cfg)
     if cmd == "prepare":
@@ -142,14 +157,21 @@ def _dispatch(args) -> int:
 
         run_vocab(cfg, args.features, args.out)
     elif cmd == "train":
+        from eagle3_ray.errors import ConfigError
         from eagle3_ray.train.trainer import run_training
+
+        if cfg.train.mode != "offline":
+            raise ConfigError(f"`train` reads a feature store (train.mode=offline); train.mode={cfg.train.mode} "
+                              "streams from the engines: use `eagle3-ray run` (or jobs/pipeline.py)")
 
         vocab = args.vocab or str(Path(args.features).parent / "vocab")
         run_training(cfg, features=args.features, vocab=vocab, out=args.out)
     elif cmd == "bench":
         from eagle3_ray.bench.runner import run_bench
 
-        run_bench(cfg, drafter=args.drafter, prompts=args.prompts, out=args.out)
+        from eagle3_ray.metrics import record_bench
+
+        record_bench(run_bench(cfg, drafter=args.drafter, prompts=args.prompts, out=args.out), cfg.name)
     return 0
 
 

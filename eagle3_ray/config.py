@@ -111,6 +111,10 @@ class ExtractConfig(_Section):
         "writes); offline extraction commits one shard per engine batch (~batch_tokens x 8H bytes)."
     )
     disk_margin: float = Field(1.1, ge=1.0, description="Preflight needs projected bytes x margin free.")
+    max_bytes_in_flight: int = Field(
+        2 * 2**30, ge=2**20, description="Online/hybrid: object-store bytes the streamed features may "
+        "hold at once (Ray Data back-pressure between the engine actors and the trainer)."
+    )
     on_corrupt_shard: Literal["skip", "abort"] = Field("abort", description="Reader policy.")
 
 
@@ -127,6 +131,11 @@ class DrafterShape(_Section):
 
 
 class TrainConfig(_Section):
+    mode: Literal["offline", "online", "hybrid"] = Field(
+        "offline", description="offline: extract to the feature store, then train on it; online: stream "
+        "captured features into the trainer, no disk; hybrid: stream epoch 0 and write the store, later "
+        "epochs read the store."
+    )
     ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
     lr: float = Field(1e-4, gt=0.0)
@@ -162,6 +171,7 @@ class BenchConfig(_Section):
     total_tokens: int = Field(16, ge=1, description="Tree draft tokens verified per step.")
     prompt_lookup: bool = Field(True, description="Also run prompt-lookup decoding as a peer.")
     num_gpus: float = Field(0.0, ge=0.0)
+    num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
 
 
 class RayConfig(_Section):

@@ -5,6 +5,8 @@
 Each stage writes into its own directory under --out and leaves `_DONE.json` holding the hash of the
 config sections it depends on. A rerun skips stages whose marker matches and resumes the rest
 (extraction skips committed samples, training restarts from its latest checkpoint).
+With `train.mode=online|hybrid` the vocab map comes from the prepared tokens and features stream
+from the engine actors into training (eagle3_ray/online.py) instead of an extract stage.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class StopAfter(Exception):
+    """Raised by StageRunner once the stage named by `stop_after` is done."""
+
+
 class StageRunner:
-    def __init__(self, cfg: PipelineConfig, out: Path, data: str | None):
-        self.cfg, self.out, self.data = cfg, out, data
+    def __init__(self, cfg: PipelineConfig, out: Path, data: str | None, stop_after: str | None = None):
+        self.cfg, self.out, self.data, self.stop_after = cfg, out, data, stop_after
         self.timings: dict[str, float] = {}
 
     def dir(self, stage: str) -> Path:
@@ -54,6 +60,7 @@ class StageRunner:
             saved = json.loads(marker.read_text(encoding="utf-8"))
             if saved.get("hash") == want:
                 print(f"[run] {stage}: done earlier, skipping ({d})", flush=True)
+                self._maybe_stop(stage)
                 return saved.get("result")
             print(f"[run] {stage}: config changed since the last run, redoing", flush=True)
             marker.unlink()
@@ -65,7 +72,12 @@ class StageRunner:
         tmp = marker.with_name(DONE + ".tmp")
         tmp.write_text(json.dumps({"hash": want, "result": result, "seconds": self.timings[stage]}), "utf-8")
         tmp.replace(marker)
+        self._maybe_stop(stage)
         return result
+
+    def _maybe_stop(self, stage: str) -> None:
+        if stage == self.stop_after:
+            raise StopAfter(stage)
 
 
 def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
@@ -78,27 +90,54 @@ def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
     return False
 
 
-def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path) -> dict[str, Any]:
-    from eagle3_ray.bench.runner import run_bench
-    from eagle3_ray.extract.generate_stage import run_generate
-    from eagle3_ray.extract.pipeline import run_extract, run_prepare
-    from eagle3_ray.extract.vocab_stage import run_vocab
-    from eagle3_ray.train.checkpoint import export_from_training
-    from eagle3_ray.train.trainer import run_training
-
+def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path,
+                 stop_after: str | None = None) -> dict[str, Any]:
+    """Run (or resume) every stage; `stop_after` ends the run after that stage (one of STAGE_DEPS)."""
     t0 = time.monotonic()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
-    stages = StageRunner(cfg, out, data)
+    stages = StageRunner(cfg, out, data, stop_after)
+    try:
+        return _run_stages(cfg, data, out, stages, t0)
+    except StopAfter:
+        summary = {"stopped_after": stop_after, "seconds": round(time.monotonic() - t0, 1),
+                   "stage_seconds": stages.timings}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        print(f"[run] stopped after {stop_after} as asked ({out})", flush=True)
+        return summary
+
+
+def _train_stages(cfg: PipelineConfig, stages: StageRunner, prepared: str) -> None:
+    """offline: extract -> vocab (store) -> train; online/hybrid: vocab (prepared) -> streamed train."""
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.extract.vocab_stage import run_vocab
+    from eagle3_ray.online import run_online_training, run_online_vocab
+    from eagle3_ray.train.trainer import run_training
+
+    features, vocab = stages.dir("features"), stages.dir("vocab")
+    if cfg.train.mode == "offline":
+        stages.run("extract", lambda d: run_extract(cfg, prepared, features).store)
+        stages.run("vocab", lambda d: str(run_vocab(cfg, features, d)))
+        stages.run("train", lambda d: str(run_training(cfg, features, vocab, d)))
+        return
+    store = features if cfg.train.mode == "hybrid" else None
+    stages.run("vocab", lambda d: str(run_online_vocab(cfg, prepared, d)))
+    stages.run("train", lambda d: str(run_online_training(cfg, prepared, vocab, d, features=store)))
+
+
+def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageRunner, t0: float) -> dict[str, Any]:
+    from eagle3_ray import metrics as dashboard
+    from eagle3_ray.bench.runner import run_bench
+    from eagle3_ray.extract.generate_stage import run_generate
+    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.train.checkpoint import export_from_training
+
     source = data
     if _needs_generation(cfg, data):
         source = stages.run("generate", lambda d: str(run_generate(cfg, data, d)))
     prepared = stages.run("prepare", lambda d: run_prepare(cfg, source, d).prepared)
-    stages.run("extract", lambda d: run_extract(cfg, prepared, stages.dir("features")).store)
-    features = stages.dir("features")
-    stages.run("vocab", lambda d: str(run_vocab(cfg, features, d)))
-    stages.run("train", lambda d: str(run_training(cfg, features, stages.dir("vocab"), d)))
+    _train_stages(cfg, stages, prepared)
     drafter = out / "drafter"
     stages.run("export", lambda d: str(export_from_training(stages.dir("train"), drafter, engine="sglang")))
     metrics = stages.dir("train") / "metrics.jsonl"
@@ -109,6 +148,7 @@ def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path) -> dict
                       train_metrics=str(metrics) if metrics.is_file() else None)
         ),
     )
+    dashboard.record_bench(results, cfg.name)
     from eagle3_ray.bench.report import write_report
 
     full = json.loads((out / "bench" / "results.json").read_text(encoding="utf-8"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from eagle3_ray.config import RayConfig
@@ -9,6 +10,18 @@ from eagle3_ray.config import RayConfig
 # Ray hides GPUs from tasks that ask for none, which breaks CPU-only local runs on GPU laptops less
 # than it helps; TOKENIZERS_PARALLELISM=false avoids fork warnings in Ray Data workers.
 _DEFAULT_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
+
+
+def _job_env_vars() -> dict[str, str]:
+    """env_vars of the runtime_env given to `ray job submit` ({} outside a submitted job).
+
+    Inside a submitted job Ray merges ray.init's runtime_env into the job's and refuses (ValueError)
+    when both set the same env var key, so the driver must leave those keys to the job.
+    """
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return {}
+    return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
 def init_ray(cfg: RayConfig):
@@ -19,9 +32,11 @@ def init_ray(cfg: RayConfig):
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return ray
-    env_vars = {**_DEFAULT_ENV, **cfg.env_vars}
+    job_env = _job_env_vars()
+    env_vars = {k: v for k, v in {**_DEFAULT_ENV, **cfg.env_vars}.items() if k not in job_env}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(runtime_env={"env_vars": env_vars}, log_to_driver=True, configure_logging=False)
+    kwargs = dict(runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True,
+                  configure_logging=False)
     if address:
         ray.init(address=address, **kwargs)
     else:

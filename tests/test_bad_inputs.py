@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from eagle3_ray.config import load_config
-from eagle3_ray.errors import CheckpointError, ConfigError, DataError, Eagle3Error, SampleRejected, StoreError
+from eagle3_ray.errors import ConfigError, DataError, Eagle3Error, SampleRejected, StoreError
 
 BAD = Path(__file__).parent / "data" / "bad"
 CI_CONFIG = "configs/ci-tiny.yaml"

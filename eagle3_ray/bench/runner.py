@@ -279,7 +279,7 @@ def _measure(
 
     bench = config_to_dict(cfg)["bench"]
     ray = init_ray(cfg.ray)
-    actor_cls = ray.remote(num_gpus=cfg.bench.num_gpus)(BenchActor)
+    actor_cls = ray.remote(num_gpus=cfg.bench.num_gpus, num_cpus=cfg.bench.num_cpus)(BenchActor)
     actor = actor_cls.remote(config_to_dict(cfg)["target"], drafter_dir, compare_untrained)
     try:
         info = ray.get(actor.describe.remote())

@@ -71,7 +71,9 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     append_rejects(out / REJECTS_FILE, rejects)
 
     n = max(1, min(cfg.extract.num_actors, len(samples)))
-    actor_cls = ray.remote(num_gpus=cfg.extract.num_gpus_per_actor or 0, max_restarts=2)(DistillActor)
+    actor_cls = ray.remote(
+        num_gpus=cfg.extract.num_gpus_per_actor or 0, num_cpus=cfg.extract.num_cpus_per_actor, max_restarts=2
+    )(DistillActor)
     actors = [actor_cls.remote(cfg.target.model_dump(), cfg.extract.batch_tokens) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
     gen = cfg.generate.model_dump()

@@ -108,6 +108,7 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
             tokenizer_path=str(tokenizer_path_for(cfg.target)),
             max_length=cfg.data.max_length,
             truncate=cfg.data.truncate,
+            run=cfg.name,
         ),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
         batch_size=TOKENIZE_BATCH,
@@ -229,6 +230,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     mean_len = max(1.0, float(lengths[todo].mean()))
     rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
     done_ref = ray.put(done)
+    # A StoreError (disk full) or EngineError raised in the engine actor must reach the caller as itself,
+    # not as Ray Data's UserCodeException, whose only trace of it is the remote traceback text.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     # One block per engine batch: a single-block input would run every batch in one sequential task
     # and leave the actor pool (and each actor's concurrent calls) idle.
     ds = ray.data.read_parquet(str(src)).repartition(max(1, math.ceil(int(todo.sum()) / rows_per_batch)))
@@ -238,6 +242,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         CaptureWriteUDF,
         fn_constructor_kwargs=dict(
             target_cfg=cfg.target.model_dump(), batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=meta,
+            run=cfg.name,
         ),
         compute=ray.data.ActorPoolStrategy(
             min_size=cfg.extract.num_actors,

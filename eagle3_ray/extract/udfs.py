@@ -8,7 +8,7 @@ bf16 hidden states travel through Ray Data as uint16 views (numpy/Arrow have no 
 from __future__ import annotations
 
 import json
-
+import time
 import uuid
 from typing import Any, Iterable
 
@@ -28,12 +28,13 @@ def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
 class TokenizeUDF:
     """messages -> input_ids / loss_mask with the tokenizer's own chat template; rejects keep a reason."""
 
-    def __init__(self, tokenizer_path: str, max_length: int, truncate: bool):
+    def __init__(self, tokenizer_path: str, max_length: int, truncate: bool, run: str = ""):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.max_length = max_length
         self.truncate = truncate
+        self.run = run
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from eagle3_ray.data.chat import tokenize_conversation
@@ -55,6 +56,8 @@ class TokenizeUDF:
             masks.append(np.asarray(tok.loss_mask, dtype=np.uint8))
             n_tokens.append(len(tok.input_ids))
             rejects.append("")
+        _record_stage(self.run, "prepare", sum(1 for r in rejects if not r), sum(n_tokens),
+                      sum(1 for r in rejects if r))
         return {
             "sample_id": batch["sample_id"],
             "source": batch["source"],
@@ -68,9 +71,11 @@ class TokenizeUDF:
 class CaptureUDF:
     """The engine actor: one target engine per actor, full-sequence capture of aux + last hidden."""
 
-    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, expected_hidden: int):
+    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, expected_hidden: int, run: str = "",
+                 stage: str = "capture"):
         from eagle3_ray.engines.factory import build_engine
 
+        self.run, self.stage = run, stage
         self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
         if self.engine.info.hidden_size != expected_hidden:
             raise RuntimeError(
@@ -80,20 +85,27 @@ class CaptureUDF:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
+        from eagle3_ray import metrics
         from eagle3_ray.features.record import bf16_to_uint16
 
+        t0 = time.monotonic()
         seqs = [np.asarray(a).tolist() for a in batch["input_ids"]]
         captures = self.engine.capture(seqs)
         aux = [bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)) for c in captures]
         last = [bf16_to_uint16(c.last_hidden.to(torch.bfloat16)) for c in captures]
-        return {
-            "sample_id": batch["sample_id"],
-            "source": batch["source"],
-            "input_ids": batch["input_ids"],
-            "loss_mask": batch["loss_mask"],
-            "aux_hidden": _ragged(aux),
-            "last_hidden": _ragged(last),
-        }
+        tokens = sum(len(q) for q in seqs)
+        _record_stage(self.run, self.stage, len(seqs), tokens, 0)
+        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
+        # Every input column travels on (online mode carries its pack keys through the engine).
+        return {**batch, "aux_hidden": _ragged(aux), "last_hidden": _ragged(last)}
+
+
+def _record_stage(run: str, stage: str, samples: int, tokens: int, rejects: int) -> None:
+    from eagle3_ray import metrics
+
+    metrics.inc("samples", samples, run, stage)
+    metrics.inc("tokens", tokens, run, stage)
+    metrics.inc("rejects", rejects, run, stage)
 
 
 class CaptureWriteUDF:
@@ -106,8 +118,11 @@ class CaptureWriteUDF:
     (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
     """
 
-    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: dict[str, Any]):
+    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: dict[str, Any],
+                 run: str = ""):
         from eagle3_ray.engines.factory import build_engine
+
+        self.run = run
 
         self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
         if self.engine.info.hidden_size != meta["hidden_size"]:
@@ -131,7 +146,9 @@ class CaptureWriteUDF:
             return {"sample_id": batch["sample_id"], "num_tokens": lengths,
                     "status": np.asarray(["skipped"] * len(sids), dtype=object),
                     "reason": np.asarray([""] * len(sids), dtype=object)}
+        t0 = time.monotonic()
         captures = self.engine.capture([a.tolist() for a in ids])
+        self._record_capture(len(ids), int(lengths.sum()), time.monotonic() - t0)
         status, reasons = [], []
         with FeatureStoreWriter(self.root, StoreMeta(**self.meta), writer_id=wid, shard_max_bytes=2**62) as w:
             for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
@@ -150,8 +167,23 @@ class CaptureWriteUDF:
                     w.reject(sid, str(source), str(e), stage="extract")
                     status.append("rejected")
                     reasons.append(str(e))
+        self._record_store(w, lengths, status)
         return {"sample_id": batch["sample_id"], "num_tokens": lengths,
                 "status": np.asarray(status, dtype=object), "reason": np.asarray(reasons, dtype=object)}
+
+
+    def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
+        from eagle3_ray import metrics
+
+        _record_stage(self.run, "capture", samples, tokens, 0)
+        metrics.set_gauge("extract_tokens_per_s", tokens / max(seconds, 1e-9), self.run, "capture")
+
+    def _record_store(self, writer, lengths: np.ndarray, status: list[str]) -> None:
+        from eagle3_ray import metrics
+
+        ok = np.asarray([s == "ok" for s in status], dtype=bool)
+        _record_stage(self.run, "store", int(ok.sum()), int(lengths[ok].sum()), int((~ok).sum()))
+        metrics.inc("bytes_written", sum(p.stat().st_size for p in writer.shards_written), self.run, "store")
 
 
 def _rows(blocks: Iterable[Any]) -> Iterable[dict[str, Any]]:

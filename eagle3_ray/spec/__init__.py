@@ -127,7 +127,8 @@ def prepare_drafter(drafter: Eagle3Drafter, target: torch.nn.Module) -> Eagle3Dr
     if not cfg.aux_layers or max(cfg.aux_layers) > text.num_hidden_layers:
         raise ConfigError(
             f"the drafter reads target hidden_states {cfg.aux_layers}, this target has "
-            f"{text.num_hidden_layers} layers (indices 0..{text.num_hidden_layers}); use a drafter trained for this target"
+            f"{text.num_hidden_layers} layers (indices 0..{text.num_hidden_layers}); use a drafter trained "
+            "for this target"
         )
     embedding = target.get_input_embeddings()
     weight = embedding.weight  # [V, H]

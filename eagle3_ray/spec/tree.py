@@ -151,7 +151,9 @@ def accept_path(logits: torch.Tensor, tree: DraftTree, s: Sampling) -> tuple[lis
         path.append(match)
 
 
-def tree_step(runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling) -> tuple[list[int], int]:
+def tree_step(
+    runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling
+) -> tuple[list[int], int]:
     """Verify one tree; returns (new tokens = accepted drafts + the target's token, accepted count)."""
     past = runner.length  # the root sits here
     depth, visible = tree.layout()  # [N+1], [N+1, N+1]

@@ -31,6 +31,8 @@ class TrainJob:
     total_steps: int  # optimizer steps the plan allows (LR schedule length)
     identity: dict[str, Any] = field(default_factory=dict)  # must match to resume a checkpoint
     use_gpu: bool = False
+    run: str = ""  # config `name`: the `run` tag of the dashboard metrics
+    resume_from: str | None = None  # newest checkpoint on storage when the driver started (see _restore)
 
 
 def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
@@ -121,6 +123,10 @@ def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
+    if ckpt is None and job.resume_from:
+        # Ray Train registers a checkpoint only after its upload; a job killed in between leaves it on
+        # storage but not in Ray Train's snapshot, and the rerun would silently start from step 0.
+        ckpt = ray.train.Checkpoint.from_directory(job.resume_from)
     if ckpt is None:
         return 0, set()
     with ckpt.as_directory() as d:
@@ -199,6 +205,9 @@ def train_func(job_dict: dict[str, Any]) -> None:
             m["step"] = step
             last_metrics = m
             if rank == 0:
+                from eagle3_ray import metrics
+
+                metrics.record_train_step(m, job.run, t["ttt_steps"])
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(m) + "\n")
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))

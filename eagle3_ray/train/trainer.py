@@ -42,15 +42,10 @@ def _use_gpu(cfg: PipelineConfig) -> bool:
 
 def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: Path):
     """Checks + plan, no Ray: returns (TrainJob, packs, store)."""
-    from eagle3_ray.data.vocab import load_vocab_map
-    from eagle3_ray.drafter.model import DrafterConfig
-    from eagle3_ray.engines.describe import describe_target, target_hf_config
-    from eagle3_ray.engines.heads import save_target_heads
+    from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.vocab_stage import data_fingerprint
     from eagle3_ray.features import open_store
     from eagle3_ray.features.store import check_compatible
-    from eagle3_ray.train.loop import TrainJob
-    from eagle3_ray.train.packing import padding_efficiency, plan
 
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     if len(store) == 0:
@@ -61,6 +56,20 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
         {"hidden_size": info.hidden_size, "aux_layers": list(info.aux_layers),
          "vocab_size": info.vocab_size, "target_fingerprint": info.fingerprint},
     )
+    job, packs = build_job(cfg, store.lengths, data_fingerprint(store), vocab, out, info)
+    return job, packs, store
+
+
+def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info):
+    """Vocab checks, drafter shape, frozen heads, pack plan and run identity for samples of `lengths`
+    (int [N]); shared by offline training (store) and online training (prepared data)."""
+    from eagle3_ray.data.vocab import load_vocab_map
+    from eagle3_ray.drafter.model import DrafterConfig
+    from eagle3_ray.engines.describe import target_hf_config
+    from eagle3_ray.engines.heads import save_target_heads
+    from eagle3_ray.train.loop import TrainJob
+    from eagle3_ray.train.packing import padding_efficiency, plan
+
     vocab_path = _vocab_file(vocab)
     d2t, t2d, vmeta = load_vocab_map(vocab_path)
     if vmeta.get("target_fingerprint") not in (None, info.fingerprint):
@@ -75,14 +84,14 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     )
     heads = save_target_heads(cfg.target, out)
     t = cfg.train
-    packs = plan(store.lengths, t.batch_tokens, t.epochs, t.seed)
+    packs = plan(lengths, t.batch_tokens, t.epochs, t.seed)
     per_step = t.num_workers * t.grad_accum
     total = max(1, len(packs) // per_step)
     if t.max_steps:
         total = min(total, t.max_steps)
     identity = {
         "drafter": drafter_cfg.to_dict(),
-        "data": data_fingerprint(store),
+        "data": data_fp,
         "vocab": _short_hash(d2t.tolist()),
         "batch_tokens": t.batch_tokens, "epochs": t.epochs, "seed": t.seed,
         "num_workers": t.num_workers, "grad_accum": t.grad_accum, "zero_stage": t.zero_stage,
@@ -93,35 +102,44 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
         identity=identity,
     )
     print(
-        f"[train] {len(store)} samples, {store.num_tokens:,} tokens -> {len(packs)} packs over {t.epochs} "
+        f"[train] {len(lengths)} samples, {int(sum(lengths)):,} tokens -> {len(packs)} packs over {t.epochs} "
         f"epoch(s) (padding efficiency {padding_efficiency(packs, t.batch_tokens):.1%}); {total} optimizer "
         f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}",
         flush=True,
     )
-    return job, packs, store
+    return job, packs
 
 
 def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: str | Path) -> Path:
     """Train; returns the directory of the final checkpoint."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
     from eagle3_ray.train.data import build_train_dataset
-    from eagle3_ray.train.loop import train_func
 
     t0 = time.monotonic()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
     job, packs, _ = plan_training(cfg, features, vocab, out)
+    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
+    return fit(cfg, job, dataset, out, t0)
+
+
+def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=None) -> Path:
+    """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
+    checkpoint of the same run; returns the final checkpoint directory."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from eagle3_ray.train.loop import train_func
+
     job.use_gpu = _use_gpu(cfg)
+    job.run = cfg.name
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
     previous = latest_checkpoint(storage) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
         check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
         print(f"[train] resuming from {previous}", flush=True)
-    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
+        job.resume_from = str(previous)
     trainer = TorchTrainer(
         train_func,
         train_loop_config=asdict(job),
@@ -137,6 +155,7 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         ),
         datasets={"train": dataset},
+        dataset_config=dataset_config or ray.train.DataConfig(),
     )
     result = trainer.fit()
     if result.error is not None:

@@ -1,0 +1,76 @@
+"""Custom dashboard metrics: a tiny extraction on a real local head, scraped from its Prometheus port."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_jobs import start_local_head, stop_local_head
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRAPE_TIMEOUT_S = 90
+SERIES = re.compile(r'^(?P<name>ray_eagle3_\w+)\{(?P<tags>[^}]*)\} (?P<value>\S+)$', re.M)
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [
+        (m["name"], dict(re.findall(r'(\w+)="([^"]*)"', m["tags"])), float(m["value"]))
+        for m in SERIES.finditer(text)
+    ]
+
+
+def total(series, name: str, **tags: str) -> float:
+    """Sum over processes (each Ray worker exports its own series, tagged WorkerId)."""
+    return sum(v for n, t, v in series if n == name and all(t.get(k) == w for k, w in tags.items()))
+
+
+def test_metrics_record_in_ray_only():
+    import ray
+
+    from eagle3_ray import metrics
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session of another test module is open in this process")
+    metrics.inc("samples", 3, "r", "prepare")  # outside Ray: must not raise or register anything
+    metrics.set_gauge("train_loss", 1.0, "r", "train")
+    assert not metrics._cache
+
+
+def test_extraction_metrics_reach_the_prometheus_endpoint(tmp_path):
+    env = start_local_head()
+    try:
+        out = tmp_path / "features"
+        proc = subprocess.run(
+            ["python", "jobs/extract.py", "-c", "configs/ci-tiny.yaml", "--out", str(out)],
+            cwd=ROOT, env={**env, "RAY_ADDRESS": env["RAY_GCS"]}, capture_output=True, text=True, timeout=400,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        port = int(env["RAY_METRICS_PORT"])
+        run = {"run": "ci-tiny"}
+        deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+        while True:
+            series = scrape(port)
+            if total(series, "ray_eagle3_samples_total", stage="store", **run) >= summary["samples"]:
+                break
+            assert time.monotonic() < deadline, f"metrics never showed up: {sorted({s[0] for s in series})}"
+            time.sleep(3)
+        assert total(series, "ray_eagle3_samples_total", stage="prepare", **run) == 12
+        assert total(series, "ray_eagle3_samples_total", stage="capture", **run) == 12
+        assert total(series, "ray_eagle3_samples_total", stage="store", **run) == summary["samples"] == 12
+        assert total(series, "ray_eagle3_tokens_total", stage="store", **run) == summary["tokens"]
+        assert total(series, "ray_eagle3_bytes_written_total", stage="store", **run) == summary["bytes_written"]
+        assert total(series, "ray_eagle3_rejects_total", **run) == 0
+        rates = [v for n, t, v in series if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == "ci-tiny"]
+        assert rates and all(v > 0 for v in rates)
+    finally:
+        stop_local_head(env)
+

@@ -1,0 +1,93 @@
+"""Online (streamed, no disk) and hybrid training on ci-tiny with a real local Ray and DeepSpeed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagle3_ray.config import load_config
+from eagle3_ray.errors import ConfigError
+
+CI_CONFIG = "configs/ci-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_local, tmp_path_factory):
+    from eagle3_ray.extract.pipeline import run_prepare
+
+    out = tmp_path_factory.mktemp("online_prepare")
+    run_prepare(load_config(CI_CONFIG), None, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocab(prepared, tmp_path_factory):
+    from eagle3_ray.online import run_online_vocab
+
+    return run_online_vocab(load_config(CI_CONFIG), prepared, tmp_path_factory.mktemp("online_vocab"))
+
+
+def test_vocab_from_prepared_tokens_keeps_the_most_frequent_loss_tokens(prepared, vocab):
+    from eagle3_ray.data.vocab import load_vocab_map
+    from eagle3_ray.online import read_prepared
+
+    _, _, ids, masks = read_prepared(prepared)
+    picked = np.concatenate([i[m.astype(bool)] for i, m in zip(ids, masks)])
+    counts = np.bincount(picked)
+    d2t, t2d, meta = load_vocab_map(vocab)
+    assert len(d2t) == 256 and meta["loss_tokens"] == len(picked)
+    top = np.argsort(-counts, kind="stable")[: min(256, int((counts > 0).sum()))]
+    assert t2d[top].all()
+
+
+def test_resource_split_refuses_a_pool_that_would_starve_training():
+    from eagle3_ray.online import check_resource_split
+
+    cfg = load_config(CI_CONFIG, ["train.mode=online", "train.num_workers=2", "extract.max_actors=3",
+                                  "extract.num_gpus_per_actor=1"])
+    with pytest.raises(ConfigError, match="max_actors"):
+        check_resource_split(cfg, {"CPU": 16.0, "GPU": 4.0}, use_gpu=True)
+    check_resource_split(cfg, {"CPU": 16.0, "GPU": 5.0}, use_gpu=True)
+
+
+def test_streaming_data_config_caps_bytes_in_flight():
+    from eagle3_ray.online import streaming_data_config
+
+    cfg = load_config(CI_CONFIG, ["extract.max_bytes_in_flight=67108864"])
+    opts = streaming_data_config(cfg)._resolve_execution_options("train")
+    assert opts.resource_limits.object_store_memory == 64 * 2**20
+
+
+def test_online_training_streams_features_without_touching_disk(prepared, vocab, tmp_path):
+    from eagle3_ray.online import run_online_training
+    from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
+
+    cfg = load_config(CI_CONFIG, ["train.mode=online", "train.epochs=1", "train.max_steps=2",
+                                  "train.log_every=1", "extract.max_bytes_in_flight=33554432"])
+    out = tmp_path / "train"
+    ckpt = run_online_training(cfg, prepared, vocab, out)
+    assert read_train_state(ckpt)["step"] == 2
+    assert all(k.startswith("0:") for k in consumed_packs(ckpt)) and len(consumed_packs(ckpt)) == 2
+    assert not list(tmp_path.glob("**/shards")) and not list(tmp_path.glob("**/*.done.json"))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+
+
+def test_hybrid_streams_epoch_0_into_the_store_then_trains_later_epochs_from_it(prepared, vocab, tmp_path):
+    import pyarrow.parquet as pq
+
+    from eagle3_ray.features import open_store
+    from eagle3_ray.online import run_online_training
+    from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
+    from eagle3_ray.train.packing import plan
+
+    cfg = load_config(CI_CONFIG, ["train.mode=hybrid", "train.epochs=2", "train.max_steps=null",
+                                  "train.batch_tokens=1024", "train.checkpoint_every=100"])
+    ckpt = run_online_training(cfg, prepared, vocab, tmp_path / "train", features=tmp_path / "features")
+    table = pq.read_table(prepared / "prepared.parquet")
+    store = open_store(tmp_path / "features")
+    assert sorted(store.sample_ids) == sorted(table.column("sample_id").to_pylist())
+    packs = plan(table.column("num_tokens").to_numpy(), cfg.train.batch_tokens, 2, cfg.train.seed)
+    consumed = consumed_packs(ckpt)
+    assert consumed == {p.key for p in packs}
+    assert read_train_state(ckpt)["step"] == len(packs)
