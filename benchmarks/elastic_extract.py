@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3_ray.extract.pipeline import run_prepare
     from eagle3_ray.ray_session import init_ray
 
-    cfg = load_config(ROOT / args.config, [f"ray.num_cpus={max(args.pools)}", *args.overrides])
+    # One logical CPU beyond the pool for the read/repartition tasks: with every CPU held by engine
+    # actors, Ray Data cannot schedule the reads that feed them.
+    cfg = load_config(ROOT / args.config, [f"ray.num_cpus={max(args.pools) + 1}", *args.overrides])
     init_ray(cfg.ray)
     with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
         work = Path(tmp)

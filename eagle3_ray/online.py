@@ -284,7 +284,8 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     later = _store_packs([p for p in packs if p.epoch > 0], sample_ids, open_store(store_root))
     if not later:
         return ckpt
-    print(f"[train] hybrid: epochs 1..{cfg.train.epochs - 1} read {len(later)} packs from {store_root}", flush=True)
+    print(f"[train] hybrid: epochs 1..{cfg.train.epochs - 1} read {len(later)} packs from {store_root}",
+          flush=True)
     dataset = build_train_dataset(later, store_root, cfg.extract.on_corrupt_shard)
     return fit(cfg, job, dataset, out, t0)
 

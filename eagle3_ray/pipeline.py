@@ -126,7 +126,8 @@ def _train_stages(cfg: PipelineConfig, stages: StageRunner, prepared: str) -> No
     stages.run("train", lambda d: str(run_online_training(cfg, prepared, vocab, d, features=store)))
 
 
-def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageRunner, t0: float) -> dict[str, Any]:
+def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageRunner,
+                t0: float) -> dict[str, Any]:
     from eagle3_ray import metrics as dashboard
     from eagle3_ray.bench.runner import run_bench
     from eagle3_ray.extract.generate_stage import run_generate

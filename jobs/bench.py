@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/bench.py`: speculative-decoding benchmark: -c CONFIG --drafter DIR --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray bench`: speculative-decoding benchmark of a trained drafter.
+
+    ray job submit ... -- python jobs/bench.py -c CONFIG --drafter DIR --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 

@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/extract.py`: capture hidden states into the feature store: -c CONFIG --data PREPARED --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray extract`: capture target hidden states into the feature store.
+
+    ray job submit ... -- python jobs/extract.py -c CONFIG --data PREPARED --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 

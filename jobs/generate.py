@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/generate.py`: self-distillation (the target writes the answers): -c CONFIG [--data PATH] --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray generate`: self-distillation: the target writes the assistant turns.
+
+    ray job submit ... -- python jobs/generate.py -c CONFIG [--data PATH] --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 

@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/prepare.py`: tokenize conversations with loss masks: -c CONFIG [--data PATH] --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray prepare`: tokenize conversations with loss masks.
+
+    ray job submit ... -- python jobs/prepare.py -c CONFIG [--data PATH] --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 

@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/train.py`: Ray Train + DeepSpeed drafter training: -c CONFIG --features DIR [--vocab DIR] --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray train`: Ray Train + DeepSpeed drafter training.
+
+    ray job submit ... -- python jobs/train.py -c CONFIG --features DIR [--vocab DIR] --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 

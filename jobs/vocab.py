@@ -1,4 +1,7 @@
-"""`ray job submit ... -- python jobs/vocab.py`: draft vocab map: -c CONFIG --features DIR --out DIR (+ overrides)."""
+"""Ray job entrypoint for `eagle3-ray vocab`: draft vocabulary map from loss-masked token counts.
+
+    ray job submit ... -- python jobs/vocab.py -c CONFIG --features DIR --out DIR [section.field=value ...]
+"""
 
 from _entry import run
 
