@@ -118,8 +118,9 @@ def test_plan_groups_respects_budget_and_covers_every_index():
 
 
 def test_out_of_range_aux_layers_raise_config_error(smollm2_dir):
-    with pytest.raises(ConfigError, match=r"\[1, 8\]"):
-        HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=[2, 4, 9]), device="cpu")
+    # hidden_states[L] is post-norm in HF but raw in SGLang/vLLM: the last valid id is L-1 (= 7 here).
+    with pytest.raises(ConfigError, match=r"\[1, 7\]"):
+        HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=[2, 4, 8]), device="cpu")
 
 
 def test_capture_rejects_bad_token_ids(engine):

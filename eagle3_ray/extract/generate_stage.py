@@ -6,7 +6,6 @@ file (see data/distill.py) and the driver joins the parts into one conversations
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Ray Data callable classes: tokenize, capture (engine actor), and the feature-store datasink.
+"""Ray Data callable classes: tokenize, capture (online: features flow on), capture-and-write (offline).
 
 Each class loads its heavy state once in ``__init__`` and transforms numpy batches in
 ``__call__``; the compute they call (chat templates, engines, the store) has no Ray in it.
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -184,92 +183,3 @@ class CaptureWriteUDF:
         ok = np.asarray([s == "ok" for s in status], dtype=bool)
         _record_stage(self.run, "store", int(ok.sum()), int(lengths[ok].sum()), int((~ok).sum()))
         metrics.inc("bytes_written", sum(p.stat().st_size for p in writer.shards_written), self.run, "store")
-
-
-def _rows(blocks: Iterable[Any]) -> Iterable[dict[str, Any]]:
-    from ray.data.block import BlockAccessor
-
-    for block in blocks:
-        batch = BlockAccessor.for_block(block).to_numpy()
-        for i in range(len(batch["sample_id"])):
-            yield {k: v[i] for k, v in batch.items()}
-
-
-class FeatureStoreSink:
-    """Ray Data datasink writing validated records into atomic shards of the feature store.
-
-    One writer per write task (unique writer id, so concurrent tasks never share a file). A retried
-    task skips samples that a failed attempt already committed, so no sample is stored twice.
-    """
-
-    def __init__(self, root: str, meta: dict[str, Any], shard_max_bytes: int):
-        self.root = root
-        self.meta = meta
-        self.shard_max_bytes = shard_max_bytes
-
-    def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, int]:
-        import torch
-
-        from eagle3_ray.errors import SampleRejected
-        from eagle3_ray.features.record import uint16_to_bf16
-        from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta, completed_ids
-
-        done = completed_ids(self.root)
-        writer_id = f"w{getattr(ctx, 'task_idx', 0):05d}-{uuid.uuid4().hex[:8]}"
-        writer = FeatureStoreWriter(
-            self.root, StoreMeta(**self.meta), writer_id=writer_id, shard_max_bytes=self.shard_max_bytes
-        )
-        stats = {"samples": 0, "tokens": 0, "rejected": 0, "skipped": 0}
-        try:
-            for row in _rows(blocks):
-                sid = str(row["sample_id"])
-                if sid in done:
-                    stats["skipped"] += 1
-                    continue
-                rec = {
-                    "sample_id": sid,
-                    "input_ids": torch.from_numpy(np.array(row["input_ids"], dtype=np.int32)),
-                    "loss_mask": torch.from_numpy(np.array(row["loss_mask"], dtype=np.uint8)),
-                    "aux_hidden": uint16_to_bf16(np.array(row["aux_hidden"])),
-                    "last_hidden": uint16_to_bf16(np.array(row["last_hidden"])),
-                }
-                try:
-                    writer.add(rec)
-                except SampleRejected as e:
-                    writer.reject(sid, str(row["source"]), str(e), stage="extract")
-                    stats["rejected"] += 1
-                    continue
-                stats["samples"] += 1
-                stats["tokens"] += int(rec["input_ids"].numel())
-        finally:
-            writer.close()
-        return stats
-
-
-def make_datasink(root: str, meta: dict[str, Any], shard_max_bytes: int):
-    """Wrap FeatureStoreSink as a ray.data.Datasink (kept separate so the class imports without Ray)."""
-    from ray.data import Datasink
-
-    class _FeatureStoreDatasink(Datasink):
-        def __init__(self):
-            self.impl = FeatureStoreSink(root, meta, shard_max_bytes)
-            self.totals: dict[str, int] = {}
-
-        def write(self, blocks, ctx):
-            return self.impl.write(blocks, ctx)
-
-        @property
-        def min_bytes_per_write(self):
-            return shard_max_bytes
-
-        def on_write_complete(self, write_result):
-            for r in write_result.write_returns:
-                for k, v in r.items():
-                    self.totals[k] = self.totals.get(k, 0) + v
-
-        def get_name(self) -> str:
-            return "FeatureStore"
-
-    return _FeatureStoreDatasink()
-
-
