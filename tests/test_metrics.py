@@ -10,7 +10,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 from test_jobs import start_local_head, stop_local_head
 
