@@ -272,3 +272,57 @@ def test_ttt_learns_on_real_smollm2_features(smollm2):
     assert history[0]["tokens"] == t - 1  # step 0: every position but the last has a target state
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert history[-1]["acc_0"] > history[0]["acc_0"]
+
+
+def test_flex_attention_computes_the_same_ttt_loss():
+    """The block-sparse flex path (fixed-length cache, T padded to 128) equals the dense-mask path.
+
+    Forward only: flex_attention has no CPU backward; benchmarks/train_step.py --check compares the
+    gradients of both paths on a GPU.
+    """
+    d = _drafter()
+    w = _lm_head(d)
+    batch = _pack([_sample(37, 1), _sample(50, 2), _sample(20, 3)], pad_to=120)
+    with torch.no_grad():
+        dense = ttt_forward(d, batch, w, ttt_steps=4, attention="sdpa")
+        flex = ttt_forward(d, batch, w, ttt_steps=4, attention="flex")
+        padded = ttt_forward(d, batch, w, ttt_steps=4, attention="flex", pad_to=300)  # one compiled shape
+    assert flex.loss.item() == pytest.approx(dense.loss.item(), rel=1e-5)
+    assert padded.loss.item() == pytest.approx(dense.loss.item(), rel=1e-5)
+    for i in range(4):
+        assert flex.metrics[f"tokens_{i}"] == dense.metrics[f"tokens_{i}"]
+        assert flex.metrics[f"acc_{i}"] == pytest.approx(dense.metrics[f"acc_{i}"])
+
+
+def test_block_mask_is_the_dense_mask_over_a_fixed_length_cache():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from eagle3_ray.drafter.ttt import ttt_block_mask
+
+    seq = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    steps = 3
+    for step in range(steps):
+        block = ttt_block_mask(seq, step, steps)
+        got = create_mask(block.mask_mod, 1, 1, 6, 6 * steps, device="cpu")  # [1, 1, T, steps*T]
+        dense = ttt_attention_mask(seq, step)  # [1, 1, T, (step+1)*T]
+        want = torch.cat([dense, torch.zeros(1, 1, 6, 6 * (steps - 1 - step), dtype=torch.bool)], dim=-1)
+        assert torch.equal(got, want), step
+
+
+def test_attention_setting_resolves_per_device():
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.loop import resolve_attention
+
+    assert resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("flex", "cuda") == "flex"
+    with pytest.raises(ConfigError, match="train.attention=flex needs CUDA"):
+        resolve_attention("flex", "cpu")
+
+
+def test_bf16_values_are_exact_in_tf32():
+    """The premise of computing fp32 target logits with TF32 tensor cores from bf16 inputs:
+    rounding a bf16 value to TF32 (10 explicit mantissa bits) changes nothing."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).mul(1e3).to(torch.bfloat16).float()
+    bits = x.view(torch.int32)
+    tf32 = ((bits + (1 << 12)) & ~((1 << 13) - 1)).view(torch.float32)  # round to nearest at bit 13
+    assert torch.equal(tf32, x)

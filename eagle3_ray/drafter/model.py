@@ -217,7 +217,7 @@ class DrafterAttention(nn.Module):
         x: torch.Tensor,  # [B, T, 2H]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = attend
+        mask: torch.Tensor | Any | None,  # [B, 1, T, S] bool (True = attend), or a flex BlockMask
         cache: DrafterKVCache | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -229,6 +229,9 @@ class DrafterAttention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex BlockMask (training)
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=self.heads != self.kv_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         causal = mask is None and past == 0
         if mask is None and past > 0:
             # New query j sits at cache index past + j and sees every key up to it.
@@ -238,6 +241,21 @@ class DrafterAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
         )  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+_COMPILED_FLEX: list[Any] = []
+
+
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled on CUDA (its fused kernel only exists compiled); eager elsewhere,
+    where it runs a reference implementation (tests on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
 
 
 class DrafterMLP(nn.Module):

@@ -7,17 +7,28 @@ state, as the drafter does when it drafts i tokens ahead at serving time. Step i
 position ``position_ids + i``, the position SGLang gives the i-th draft token.
 
 Packed batches: ``seq_ids`` says which sample each token belongs to (-1 = padding); attention and
-targets never cross samples. Attention of step i is implemented with the drafter's own KV cache
-(S grows by T per step) and the mask of ``ttt_attention_mask``.
+targets never cross samples. Attention of step i runs over the drafter's own KV cache (step j's keys
+in block j) with one of two equivalent implementations:
+
+- ``"sdpa"``: the cache grows by T per step and a dense bool mask (``ttt_attention_mask``) selects
+  the causal prefix of step 0 plus the diagonal of later steps; O(T * i * T) mask memory and work.
+- ``"flex"``: ``flex_attention`` with a block-sparse mask (``ttt_block_mask``) over a cache of fixed
+  length ``ttt_steps * T`` (unwritten blocks are zeros that the mask never reads), so every step has
+  the same shapes and the kernel compiles once per padded T; only the prefix blocks of each sample
+  and the diagonal blocks of later steps are computed. T is padded to a multiple of 128.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+
+FLEX_BLOCK = 128  # flex_attention's default block size; T is padded to a multiple of it
 
 BATCH_KEYS = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "seq_ids")
 
@@ -42,6 +53,61 @@ def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
     prefix = causal & (seq_ids[:, :, None] == seq_ids[:, None, :])  # [B, T, T]
     diag = torch.eye(t, dtype=torch.bool, device=seq_ids.device).expand(b, t, t)
     return torch.cat([prefix] + [diag] * step, dim=-1)[:, None]
+
+
+def ttt_block_mask(seq_ids: torch.Tensor, step: int, ttt_steps: int):
+    """[B, T] sample ids -> flex ``BlockMask`` of TTT step ``step`` over a cache of ``ttt_steps * T`` keys.
+
+    The same pattern as ``ttt_attention_mask`` (block 0: causal within the sample; blocks 1..step:
+    the diagonal); blocks past ``step`` are masked out, so their content is never read.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, t = seq_ids.shape
+
+    def mask_mod(bi, head, q, kv):
+        block, key = kv // t, kv % t
+        prefix = (block == 0) & (key <= q) & (seq_ids[bi, key] == seq_ids[bi, q])
+        return prefix | ((block > 0) & (block <= step) & (key == q))
+
+    return create_block_mask(mask_mod, b, None, t, ttt_steps * t, device=seq_ids.device)
+
+
+class FixedLengthTTTCache(DrafterKVCache):
+    """KV cache of constant length ``ttt_steps * T``: step j's keys in block j, zeros after the last
+    written block. Constant shapes let a compiled flex kernel serve every TTT step.
+
+    Built functionally (``cat``), not by writing into a buffer: earlier steps' saved tensors must
+    not change under autograd.
+    """
+
+    def __init__(self, ttt_steps: int) -> None:
+        super().__init__()
+        self.ttt_steps = ttt_steps
+        self.keys: list[torch.Tensor] = []  # per step [B, kv, T, D]
+        self.values: list[torch.Tensor] = []
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.append(k)
+        self.values.append(v)
+        assert len(self.keys) <= self.ttt_steps
+        pad = [torch.zeros_like(k)] * (self.ttt_steps - len(self.keys))
+        return torch.cat(self.keys + pad, dim=2), torch.cat(self.values + pad, dim=2)
+
+
+def _pad_batch(batch: dict[str, torch.Tensor], multiple: int, at_least: int | None) -> dict[str, torch.Tensor]:
+    """Pad every [B, T, ...] tensor to max(T, at_least) rounded up to a multiple; padding is seq id
+    -1 and loss mask 0."""
+    t = batch["input_ids"].shape[1]
+    target = max(t, at_least or 0)
+    extra = target - t + (-target % multiple)
+    if extra == 0:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        fill = -1 if k == "seq_ids" else 0
+        out[k] = torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]), fill)], dim=1)
+    return out
 
 
 def _shift(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -71,18 +137,46 @@ def target_distribution(
     held at once: the argmax runs over row chunks of the lm_head (V x T fp32 would not fit for
     163K-token vocabularies).
     """
-    h = last_hidden.float()  # [B, T, Ht]
+    with torch.autocast(last_hidden.device.type, enabled=False):  # fp32 even inside a caller's autocast
+        return _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk)
+
+
+def _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk):
     draft_rows = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] target ids
-    p = torch.softmax(h @ lm_head_weight[draft_rows].float().T, dim=-1)  # [B, T, Vd]
-    best = torch.full(h.shape[:-1], float("-inf"), device=h.device)
-    best_id = torch.zeros(h.shape[:-1], dtype=torch.long, device=h.device)
+    p = torch.softmax(_logits_fp32(last_hidden, lm_head_weight[draft_rows]), dim=-1)  # [B, T, Vd]
+    best = torch.full(last_hidden.shape[:-1], float("-inf"), device=last_hidden.device)
+    best_id = torch.zeros(last_hidden.shape[:-1], dtype=torch.long, device=last_hidden.device)
     for start in range(0, lm_head_weight.shape[0], vocab_chunk):
-        chunk = h @ lm_head_weight[start : start + vocab_chunk].float().T  # [B, T, C]
+        chunk = _logits_fp32(last_hidden, lm_head_weight[start : start + vocab_chunk])  # [B, T, C]
         value, idx = chunk.max(dim=-1)
         better = value > best  # strict: ties keep the lower id, like argmax
         best = torch.where(better, value, best)
         best_id = torch.where(better, idx + start, best_id)
     return p, t2d[best_id]
+
+
+def _logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[..., Ht] x [N, Ht] -> [..., N] fp32 logits.
+
+    bf16/fp16 values are exact in TF32 (TF32 keeps 10 mantissa bits, bf16 7, fp16 10, and TF32 has
+    fp32's exponent range), and tensor cores accumulate TF32 products in fp32; so on CUDA with half
+    inputs the TF32 matmul gives the fp32 result ~8x faster than fp32 FMA units.
+    """
+    half = (torch.bfloat16, torch.float16)
+    if h.is_cuda and h.dtype in half and w.dtype in half:
+        with _tf32_matmul():
+            return h.float() @ w.float().T
+    return h.float() @ w.float().T
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def ttt_forward(
@@ -91,6 +185,8 @@ def ttt_forward(
     target_lm_head_weight: torch.Tensor,
     ttt_steps: int = 7,
     loss_decay: float = 0.8,
+    attention: Literal["sdpa", "flex"] = "sdpa",
+    pad_to: int | None = None,
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
 
@@ -99,23 +195,28 @@ def ttt_forward(
     [B, T] (-1 = padding), all on the drafter's device.
     Loss = sum_i loss_decay**i * CE_i, CE_i the soft cross-entropy averaged over step i's valid
     positions (loss_mask x target argmax in the draft vocab x target inside the sample).
+    ``attention``: "sdpa" (dense mask, any device) or "flex" (block-sparse; compiled on CUDA);
+    both compute the same function (see the module docstring). ``pad_to`` (flex): pad T up to this
+    length too, so that packs of varying length share one compiled kernel (torch.compile recompiles
+    per shape and falls back to an unfused kernel, which materialises the scores, after 8 shapes).
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
+    if attention == "flex":
+        batch = _pad_batch(batch, FLEX_BLOCK, pad_to)
     ids, seq, pos = batch["input_ids"], batch["seq_ids"], batch["position_ids"]
     loss_mask = batch["loss_mask"].bool()
     target_p, in_draft = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
     target_ids = target_p.argmax(dim=-1)  # [B, T] draft ids
 
     hidden = drafter.fuse(batch["aux_hidden"])  # [B, T, H]
-    cache = DrafterKVCache()
+    cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else DrafterKVCache()
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []  # per step: (ce_i, acc_i, count_i), detached
     for i in range(ttt_steps):
         ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
         valid = _shift(loss_mask, i, False) & _shift(in_draft, ahead, False) & _same_sample(seq, ahead)  # [B, T]
-        hidden = drafter(
-            _shift(ids, ahead), hidden, pos + i, attention_mask=ttt_attention_mask(seq, i), cache=cache
-        )
+        mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
+        hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=mask, cache=cache)
         logp = drafter.logits(hidden).float().log_softmax(dim=-1)  # [B, T, Vd]
         ce = -(_shift(target_p, ahead) * logp).sum(dim=-1)  # [B, T]
         w = valid.float()

@@ -72,6 +72,21 @@ def _build_drafter(job: TrainJob, device: torch.device):
     return drafter.to(device), lm_head.to(device=device, dtype=dtype)
 
 
+def resolve_attention(setting: str, device_type: str) -> str:
+    """``train.attention`` -> the implementation to run; flex trains only on CUDA (no CPU backward).
+
+    ``auto`` is sdpa everywhere for now: flex's gradients matched sdpa's on an H200, but its speed
+    in the training loop has not been measured yet (benchmarks/results/README.md).
+    """
+    from eagle3_ray.errors import ConfigError
+
+    if setting == "auto":
+        return "sdpa"
+    if setting == "flex" and device_type != "cuda":
+        raise ConfigError("train.attention=flex needs CUDA (flex_attention has no CPU backward); use sdpa or auto")
+    return setting
+
+
 def _all_have_data(has: bool, device: torch.device) -> bool:
     """Every rank must take the same number of steps; stop all when any rank runs dry."""
     flag = torch.tensor([1.0 if has else 0.0], device=device)
@@ -158,6 +173,9 @@ def train_func(job_dict: dict[str, Any]) -> None:
         torch.set_num_threads(t["cpus_per_worker"])
     drafter, lm_head = _build_drafter(job, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
+    attention = resolve_attention(t["attention"], device.type)
+    if t["compile"]:
+        drafter.midlayer.compile()
 
     def lr_lambda(step: int) -> float:
         return warmup_cosine(step, t["warmup_steps"], job.total_steps, t["min_lr_ratio"])
@@ -184,7 +202,8 @@ def train_func(job_dict: dict[str, Any]) -> None:
             break
         consumed.add(str(row["key"]))
         batch = row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype)
-        out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"])
+        out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
+                          pad_to=t["batch_tokens"])
         engine.backward(out.loss)
         engine.step()
         micro += 1

@@ -130,10 +130,12 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from eagle3_ray.train.loop import train_func
+    from eagle3_ray.train.loop import resolve_attention, train_func
 
     job.use_gpu = _use_gpu(cfg)
     job.run = cfg.name
+    # Refuse an impossible attention setting here, not after the workers have started.
+    resolve_attention(cfg.train.attention, "cuda" if job.use_gpu else "cpu")
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
     previous = latest_checkpoint(storage) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
