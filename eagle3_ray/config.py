@@ -116,6 +116,11 @@ class ExtractConfig(_Section):
         "hold at once (Ray Data back-pressure between the engine actors and the trainer)."
     )
     on_corrupt_shard: Literal["skip", "abort"] = Field("abort", description="Reader policy.")
+    compact: Literal["none", "fp8"] = Field(
+        "none", description="Stored feature format. fp8: aux/last hidden states as float8_e4m3fn with one fp32 "
+        "scale per token and layer (4H+16 instead of 8H bytes/token, ~0.5x); readers still get bf16. A store "
+        "holds one format (docs/feature-store.md)."
+    )
 
 
 class VocabConfig(_Section):
@@ -137,6 +142,11 @@ class TrainConfig(_Section):
         "epochs read the store."
     )
     ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="TTT attention: flex (block-sparse flex_attention, compiled; CUDA only) or "
+        "sdpa (dense mask, any device); auto = sdpa until flex's speed is measured. Same function."
+    )
+    compile: bool = Field(False, description="torch.compile the drafter layer (GPU training; ~1 min warm-up).")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")

@@ -209,7 +209,8 @@ def _store_meta(cfg: PipelineConfig) -> dict[str, Any]:
 
     info = describe_target(cfg.target)
     return dict(hidden_size=info.hidden_size, aux_layers=list(info.aux_layers),
-                target_fingerprint=info.fingerprint, model_type=info.model_type, vocab_size=info.vocab_size)
+                target_fingerprint=info.fingerprint, model_type=info.model_type, vocab_size=info.vocab_size,
+                compact=cfg.extract.compact)
 
 
 def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: dict[str, Any], store_root: str | None):

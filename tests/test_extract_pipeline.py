@@ -116,6 +116,29 @@ def test_extract_resumes_after_losing_a_shard(prepared, cfg, tmp_path):
     assert sorted(store.sample_ids) == sorted(set(store.sample_ids)) and len(store) == 12
 
 
+def test_extract_compact_fp8_store_reads_back_close_to_the_full_one(store_dir, prepared, cfg, tmp_path):
+    """extract.compact=fp8 end to end: half the bytes on disk, readers see bf16 near the full store."""
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.features import open_store
+
+    fp8 = cfg.model_copy(deep=True)
+    fp8.extract.compact = "fp8"
+    run_extract(fp8, prepared[0], tmp_path / "fp8")
+    full, small = open_store(store_dir), open_store(tmp_path / "fp8")
+    assert small.meta.compact == "fp8" and full.meta.compact == "none"
+    size = lambda root: sum(p.stat().st_size for p in (root / "shards").glob("*.safetensors"))  # noqa: E731
+    assert size(tmp_path / "fp8") < 0.6 * size(store_dir)
+    by_id = {full[i]["sample_id"]: full[i] for i in range(len(full))}
+    for i in range(len(small)):
+        rec = small[i]
+        ref = by_id[rec["sample_id"]]
+        assert rec["aux_hidden"].dtype == torch.bfloat16
+        scale = ref["aux_hidden"].float().abs().amax()
+        assert (rec["aux_hidden"].float() - ref["aux_hidden"].float()).abs().max() <= scale / 16
+    with pytest.raises(StoreError, match="compact"):
+        run_extract(cfg, prepared[0], tmp_path / "fp8")  # appending the full format is refused
+
+
 def test_extract_refuses_a_store_of_another_target(store_dir, prepared, cfg):
     from eagle3_ray.extract.pipeline import run_extract
 

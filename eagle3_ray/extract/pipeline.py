@@ -205,6 +205,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         target_fingerprint=info.fingerprint,
         model_type=info.model_type,
         vocab_size=info.vocab_size,
+        compact=cfg.extract.compact,
     )
     # Creating (or re-opening) the store checks its metadata against this target before any work.
     FeatureStoreWriter(out, StoreMeta(**meta), writer_id="driver", shard_max_bytes=1).close()
@@ -224,7 +225,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         print(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go", flush=True)
     if not todo.any():
         return _finish_extract(out, t0, skipped, 0)
-    check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin)
+    check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
 
     concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
@@ -262,7 +263,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         ok = batch["status"] == "ok"
         meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
-                     nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size),
+                     nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
                      rejected=int((batch["status"] == "rejected").sum()))
         if time.monotonic() - last > 10:
             print(meter.line(), flush=True)

@@ -28,9 +28,9 @@ class PreflightReport:
                 f"{self.required_bytes / _GB:.2f} GB), {self.free_bytes / _GB:.2f} GB free on {self.checked_path}")
 
 
-def projected_bytes(num_tokens: int, hidden_size: int) -> int:
+def projected_bytes(num_tokens: int, hidden_size: int, compact: str = "none") -> int:
     """Shard bytes for ``num_tokens`` tokens of features (headers and markers are negligible)."""
-    return num_tokens * bytes_per_token(hidden_size)
+    return num_tokens * bytes_per_token(hidden_size, compact)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -40,13 +40,15 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_disk(out_dir: str | Path, num_tokens: int, hidden_size: int, margin: float = 1.1) -> PreflightReport:
+def check_disk(
+    out_dir: str | Path, num_tokens: int, hidden_size: int, margin: float = 1.1, compact: str = "none"
+) -> PreflightReport:
     """Raise PreflightError unless the filesystem of ``out_dir`` has ``projected x margin`` bytes
     free. When resuming, pass only the tokens still to extract."""
     out = Path(out_dir)
     checked = _nearest_existing(out)
     free = shutil.disk_usage(checked).free
-    projected = projected_bytes(num_tokens, hidden_size)
+    projected = projected_bytes(num_tokens, hidden_size, compact)
     report = PreflightReport(out_dir=out, checked_path=checked, num_tokens=num_tokens,
                              projected_bytes=projected, required_bytes=int(projected * margin),
                              free_bytes=free, margin=margin)

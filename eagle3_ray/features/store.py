@@ -6,6 +6,8 @@ Layout (docs/feature-store.md has the full description, readable without this pa
     <root>/shards/<writer>-<seq>.safetensors offsets int64 [n+1], aux_hidden bf16 [N, 3H],
                                              last_hidden bf16 [N, H], input_ids int32 [N],
                                              loss_mask uint8 [N]; n samples, N tokens in all
+                                             (compact="fp8": the two hidden states in F8_E4M3 plus
+                                             aux_hidden_scale f32 [N, 3], last_hidden_scale f32 [N, 1])
     <root>/shards/<writer>-<seq>.done.json   completion marker: sample_ids, tokens, bytes, sha256
     <root>/rejects.jsonl                     {"sample_id", "source", "reason", "stage"} per line
 
@@ -36,6 +38,15 @@ from safetensors import safe_open
 
 from eagle3_ray import __version__
 from eagle3_ray.errors import ConfigError, StoreError
+from eagle3_ray.features.compact import (
+    FIELD_BLOCKS,
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    check_format,
+    compact_record,
+    expand_record,
+    scale_name,
+)
 from eagle3_ray.features.record import (
     AUX_HIDDEN,
     INPUT_IDS,
@@ -63,12 +74,27 @@ OFFSETS = "offsets"
 DEFAULT_SHARD_MAX_BYTES = 256 * 2**20
 
 # Fields two runs must agree on to share a store; model_type and created_by are informational.
-COMPAT_FIELDS = ("format_version", "hidden_size", "aux_layers", "target_fingerprint", "vocab_size", "dtype")
+COMPAT_FIELDS = ("format_version", "hidden_size", "aux_layers", "target_fingerprint", "vocab_size", "dtype",
+                 "compact")
 
 _WRITER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16"}
-# Shard tensor order: widest element first, so every tensor starts naturally aligned in an mmap.
-_SHARD_ORDER = (OFFSETS, AUX_HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK)
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16",
+              torch.float32: "F32", FP8_DTYPE: "F8_E4M3"}
+_HIDDEN_FIELDS = (AUX_HIDDEN, LAST_HIDDEN)
+
+
+def _shard_layout(compact: str, n: int, n_tok: int, hidden: int) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of every shard tensor in data-section order. Every tensor starts
+    naturally aligned in an mmap: the 8-byte offsets first, and each tensor's byte size before
+    the int32 ids is a multiple of 4 (8·(n+1), 16·N scales, 8·H·N bf16 or 4·H·N fp8)."""
+    widths = {AUX_HIDDEN: 3 * hidden, LAST_HIDDEN: hidden}
+    layout = [(OFFSETS, torch.int64, [n + 1])]
+    if compact == "fp8":
+        layout += [(scale_name(k), SCALE_DTYPE, [n_tok, FIELD_BLOCKS[k]]) for k in _HIDDEN_FIELDS]
+        layout += [(k, FP8_DTYPE, [n_tok, widths[k]]) for k in _HIDDEN_FIELDS]
+    else:
+        layout += [(k, torch.bfloat16, [n_tok, widths[k]]) for k in _HIDDEN_FIELDS]
+    return layout + [(INPUT_IDS, torch.int32, [n_tok]), (LOSS_MASK, torch.uint8, [n_tok])]
 
 
 @dataclass(frozen=True)
@@ -78,19 +104,24 @@ class StoreMeta:
     target_fingerprint: str
     model_type: str
     vocab_size: int
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # of the records written and read; the shards hold it unless compact
+    compact: str = "none"  # "fp8": shards hold fp8 + per-token scales (features/compact.py)
     format_version: int = FORMAT_VERSION
     created_by: str = f"eagle3_ray {__version__}"
 
+    def __post_init__(self) -> None:
+        check_format(self.compact)
+
     @classmethod
-    def from_engine_info(cls, info: Any) -> "StoreMeta":
-        """From an ``engines.base.EngineInfo``; features are always stored in bf16."""
+    def from_engine_info(cls, info: Any, compact: str = "none") -> "StoreMeta":
+        """From an ``engines.base.EngineInfo``; records are bf16, stored as such or as ``compact``."""
         return cls(
             hidden_size=info.hidden_size,
             aux_layers=list(info.aux_layers),
             target_fingerprint=info.fingerprint,
             model_type=info.model_type,
             vocab_size=info.vocab_size,
+            compact=compact,
         )
 
     @classmethod
@@ -212,9 +243,9 @@ def read_meta(root: str | Path) -> StoreMeta:
         raise StoreError(f"{path} has format_version {d['format_version']}; this eagle3_ray reads up to "
                          f"{FORMAT_VERSION}: upgrade eagle3_ray")
     try:
-        return StoreMeta.from_dict(d)
-    except TypeError as e:
-        raise StoreError(f"{path} lacks required fields ({e}); restore it or extract into a new --out") from e
+        return StoreMeta.from_dict(d)  # a store from before the compact field reads as compact="none"
+    except (TypeError, ConfigError) as e:
+        raise StoreError(f"{path} lacks or has invalid fields ({e}); restore it or extract into a new --out") from e
 
 
 def ensure_meta(root: str | Path, meta: StoreMeta) -> StoreMeta:
@@ -229,6 +260,12 @@ def ensure_meta(root: str | Path, meta: StoreMeta) -> StoreMeta:
         raise _io_error(e, root / META_FILE) from e
     existing = read_meta(root)
     bad = _mismatches(existing.to_dict(), {k: getattr(meta, k) for k in COMPAT_FIELDS})
+    if existing.compact != meta.compact:
+        raise StoreError(
+            f"feature store {root} holds extract.compact={existing.compact!r} features and this run writes "
+            f"{meta.compact!r} (" + "; ".join(bad) + "): a store has one format. Set "
+            f"extract.compact={existing.compact} to add to it, or use a new --out for {meta.compact!r} features."
+        )
     if bad:
         raise StoreError(
             f"feature store {root} was written for another target or config: " + "; ".join(bad)
@@ -388,38 +425,36 @@ def _safetensors_header(tensors: Sequence[tuple[str, torch.dtype, list[int]]], m
     return struct.pack("<Q", len(blob)) + blob
 
 
-def _stream_shard(f: BinaryIO, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], hidden: int) -> str:
+def _stream_shard(f: BinaryIO, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], meta: StoreMeta) -> str:
     """Write one shard in safetensors format straight from the per-sample tensors (no concatenated
-    copy of a 256 MiB shard in memory) and return its sha256."""
+    copy of a 256 MiB shard in memory) and return its sha256. Records are already in the store's
+    format (``compact_record`` applied for fp8)."""
     lengths = [record_num_tokens(r) for r in records]
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)  # [n+1]
-    n_tok = int(offsets[-1])
-    shapes = {OFFSETS: [len(records) + 1], AUX_HIDDEN: [n_tok, 3 * hidden], LAST_HIDDEN: [n_tok, hidden],
-              INPUT_IDS: [n_tok], LOSS_MASK: [n_tok]}
-    dtypes = {OFFSETS: torch.int64, AUX_HIDDEN: torch.bfloat16, LAST_HIDDEN: torch.bfloat16,
-              INPUT_IDS: torch.int32, LOSS_MASK: torch.uint8}
+    layout = _shard_layout(meta.compact, len(records), int(offsets[-1]), meta.hidden_size)
     sha = hashlib.sha256()
 
     def put(buf: bytes | memoryview) -> None:
         f.write(buf)
         sha.update(buf)
 
-    put(_safetensors_header([(k, dtypes[k], shapes[k]) for k in _SHARD_ORDER], metadata))
+    put(_safetensors_header(layout, metadata))
     put(_raw_bytes(offsets))
-    for name in _SHARD_ORDER[1:]:
+    for name, dtype, _ in layout[1:]:
         for r in records:
+            assert r[name].dtype == dtype, f"{name} is {r[name].dtype}, the shard layout says {dtype}"
             put(_raw_bytes(r[name]))
     return sha.hexdigest()
 
 
 def _publish_shard(
-    shard: Path, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], hidden: int
+    shard: Path, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], meta: StoreMeta
 ) -> tuple[int, str]:
     """Temp file, fsync, rename, fsync dir. Returns (bytes, sha256). On OSError nothing is left."""
     tmp = _tmp_path(shard)
     try:
         with _open_for_write(tmp) as f:
-            sha = _stream_shard(f, records, metadata, hidden)
+            sha = _stream_shard(f, records, metadata, meta)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, shard)
@@ -459,7 +494,7 @@ class FeatureStoreWriter:
         self._seq = max(_existing_seqs(self._dir, writer_id), default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
         self._buffer_bytes = 0
-        self._bpt = bytes_per_token(meta.hidden_size)
+        self._bpt = bytes_per_token(self.meta.hidden_size, self.meta.compact)
         self._closed = False
         self.shards_written: list[Path] = []
         self.samples_written = 0
@@ -467,12 +502,15 @@ class FeatureStoreWriter:
 
     def add(self, record: Mapping[str, Any]) -> None:
         """Validate (SampleRejected on a bad record: pass it to ``reject``), buffer, and write a
-        shard once the buffer holds ``shard_max_bytes``."""
+        shard once the buffer holds ``shard_max_bytes``. Records are bf16 in every format; an fp8
+        store quantizes them here, after validation."""
         if self._closed:
             raise StoreError(f"writer {self.writer_id} is closed")
         rec = to_torch_record(record)
         validate_record(rec, self.meta.hidden_size, self.meta.vocab_size)
         rec = {SAMPLE_ID: rec[SAMPLE_ID], **{k: rec[k].detach().cpu() for k in TENSOR_FIELDS}}
+        if self.meta.compact == "fp8":
+            rec = compact_record(rec)
         self._buffer.append(rec)
         self._buffer_bytes += record_num_tokens(rec) * self._bpt
         if self._buffer_bytes >= self.shard_max_bytes:
@@ -499,7 +537,9 @@ class FeatureStoreWriter:
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "writer": self.writer_id,
                     "sample_ids": json.dumps(ids), "aux_layers": json.dumps(self.meta.aux_layers),
                     "hidden_size": str(self.meta.hidden_size)}
-        nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta.hidden_size)
+        if self.meta.compact != "none":  # bf16 shards keep the metadata they always had
+            metadata["compact"] = self.meta.compact
+        nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta)
         tokens = sum(record_num_tokens(r) for r in self._buffer)
         marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": self.writer_id,
                   "sample_ids": ids, "num_samples": len(ids), "tokens": tokens, "bytes": nbytes, "sha256": sha}
@@ -556,16 +596,15 @@ def _sha256_file(path: Path) -> str:
 
 def _check_layout(f: Any, meta: StoreMeta, n: int) -> int:
     """Checks tensor names, dtypes and shapes of an open shard; returns its token count N."""
-    if set(f.keys()) != set(_SHARD_ORDER):
-        raise _CorruptShard(f"tensors {sorted(f.keys())}, expected {sorted(_SHARD_ORDER)}")
+    names = {name for name, _, _ in _shard_layout(meta.compact, n, 0, meta.hidden_size)}
+    if set(f.keys()) != names:
+        raise _CorruptShard(f"tensors {sorted(f.keys())}, expected {sorted(names)} "
+                            f"(store format compact={meta.compact!r})")
     n_tok = (f.get_slice(INPUT_IDS).get_shape() or [-1])[0]
-    h = meta.hidden_size
-    want = {OFFSETS: ("I64", [n + 1]), AUX_HIDDEN: ("BF16", [n_tok, 3 * h]), LAST_HIDDEN: ("BF16", [n_tok, h]),
-            INPUT_IDS: ("I32", [n_tok]), LOSS_MASK: ("U8", [n_tok])}
-    for name, (dtype, shape) in want.items():
+    for name, dtype, shape in _shard_layout(meta.compact, n, n_tok, meta.hidden_size):
         s = f.get_slice(name)
-        if (s.get_dtype(), list(s.get_shape())) != (dtype, shape):
-            raise _CorruptShard(f"{name} is {s.get_dtype()} {s.get_shape()}, expected {dtype} {shape}")
+        if (s.get_dtype(), list(s.get_shape())) != (_ST_DTYPES[dtype], shape):
+            raise _CorruptShard(f"{name} is {s.get_dtype()} {s.get_shape()}, expected {_ST_DTYPES[dtype]} {shape}")
     return n_tok
 
 
@@ -603,6 +642,8 @@ def _load_shard(marker_path: Path, meta: StoreMeta, verify: bool) -> ShardInfo:
         raise _CorruptShard("sample ids in the shard differ from its marker")
     if _json_field(md, "aux_layers") != list(meta.aux_layers):
         raise _CorruptShard(f"aux layers {md.get('aux_layers')} differ from the store's {meta.aux_layers}")
+    if md.get("compact", "none") != meta.compact:
+        raise _CorruptShard(f"format compact={md.get('compact', 'none')!r} differs from the store's {meta.compact!r}")
     if n_tok != marker["tokens"] or offsets[0] != 0 or offsets[-1] != n_tok or (np.diff(offsets) <= 0).any():
         raise _CorruptShard(f"offsets inconsistent with {n_tok} tokens (marker: {marker['tokens']})")
     return ShardInfo(path=path, sample_ids=list(ids), tokens=n_tok, bytes=size, sha256=marker["sha256"],
@@ -615,6 +656,7 @@ class FeatureStore:
     Order is deterministic (shard name, then position in shard). A sample id that appears in
     several shards (a duplicated extraction) is served once, first occurrence wins; the others are
     listed in ``duplicate_ids``. ``store[i]`` reads only that sample's rows from the shard.
+    Hidden states come back in bf16 whatever the store's format (fp8 is dequantized on read).
     """
 
     _MAX_OPEN = 8  # open shard handles kept for random access
@@ -666,10 +708,12 @@ class FeatureStore:
         k, j = (int(x) for x in self._loc[i])
         start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
         f = self._handle(k)
+        fp8 = self.meta.compact == "fp8"
+        names = TENSOR_FIELDS + (tuple(scale_name(n) for n in FIELD_BLOCKS) if fp8 else ())
         rec: dict[str, Any] = {SAMPLE_ID: self.shards[k].sample_ids[j]}
-        for name in TENSOR_FIELDS:
+        for name in names:
             rec[name] = f.get_slice(name)[start:end]  # reads rows [start, end) only
-        return rec
+        return expand_record(rec) if fp8 else rec
 
     def close(self) -> None:
         """Release the open shard files (reading again reopens them)."""
