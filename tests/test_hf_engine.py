@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -103,6 +104,35 @@ def test_batching_and_padding_do_not_change_results(engine):
         assert b.aux_hidden.shape[0] == len(ids)
         torch.testing.assert_close(b.aux_hidden, a.aux_hidden, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=1e-5, rtol=1e-4)
+
+
+def test_concurrent_captures_from_threads_equal_sequential(engine):
+    # Ray Data runs up to extract.concurrent_batches capture calls of one actor in threads.
+    batches = [SEQS[:2], SEQS[2:], SEQS[1:3]]
+    sequential = [engine.capture(b) for b in batches]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        threaded = list(pool.map(engine.capture, batches))
+    for seq_caps, thr_caps in zip(sequential, threaded):
+        for a, b in zip(seq_caps, thr_caps):
+            torch.testing.assert_close(b.aux_hidden, a.aux_hidden, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned, per-thread-stream capture path needs CUDA")
+def test_cuda_capture_lands_in_pinned_host_memory_and_matches_default_stream(smollm2_dir):
+    eng = HFEngine(TargetConfig(model="random:builtin:tiny-llama", dtype="bfloat16"), device="cuda")
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            caps = [c for b in pool.map(eng.capture, [SEQS[:2], SEQS[2:]]) for c in b]
+        for ids, cap in zip(SEQS, caps):
+            assert cap.aux_hidden.device.type == "cpu" and cap.aux_hidden.is_pinned()
+            assert cap.aux_hidden.dtype == torch.bfloat16 and cap.last_hidden.shape == (len(ids), 64)
+            with torch.inference_mode():  # the plain default-stream forward, one sequence at a time
+                aux, last = eng.forward_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+            torch.testing.assert_close(cap.aux_hidden, aux[0].cpu(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(cap.last_hidden, last[0].cpu(), atol=2e-2, rtol=2e-2)
+    finally:
+        eng.close()
 
 
 def test_plan_groups_respects_budget_and_covers_every_index():

@@ -7,7 +7,9 @@ logits are built, and asks transformers for only the three aux ``hidden_states``
 from __future__ import annotations
 
 import gc
-from typing import Sequence
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -31,6 +33,21 @@ def plan_groups(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors``. From CUDA they land in pinned memory and are only enqueued on the
+    current stream: read them after that stream is synchronised, and keep the sources alive until then.
+
+    Pageable copies into fresh pages measured ~1.5 GB/s on an H200 host, pinned ones 55 GB/s; torch's
+    caching host allocator hands freed pinned blocks back out, so in steady state nothing is allocated.
+    """
+    if tensors[0].device.type != "cuda":
+        return [t.to("cpu", copy=True) for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    return host
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -75,6 +92,7 @@ class HFEngine:
         if not self.eos_ids:
             raise EngineError(f"target.model={target_cfg.model!r} defines no EOS token; generation could not stop")
         self.pad_id: int = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
+        self._thread = threading.local()  # each calling thread's capture stream
 
     @property
     def tokenizer(self):
@@ -108,6 +126,15 @@ class HFEngine:
         for row, s in enumerate(seqs):
             input_ids[row, : len(s)] = s
             mask[row, : len(s)] = 1
+        with self.capture_stream():
+            aux_dev, last_dev = self.forward_states(input_ids, mask)  # [B, Tmax, 3H], [B, Tmax, H]
+            # One bulk copy per tensor (per-row copies cost a sync each); rows are views of it.
+            # aux_dev/last_dev stay referenced until the stream is synchronised on leaving the block.
+            aux, last = to_host([aux_dev, last_dev])
+        return [Capture(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
+
+    def forward_states(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux [B, T, 3H] and last [B, T, H] (post final norm = lm_head input) on the target device."""
         dev = self.target.device
         out = self.target.model.model(
             input_ids=input_ids.to(dev),
@@ -115,12 +142,28 @@ class HFEngine:
             output_hidden_states=self.info.aux_layers,  # only these states are kept
             use_cache=False,
         )
-        aux = torch.cat([out.hidden_states[k] for k in self.info.aux_layers], dim=-1)  # [B, Tmax, 3H]
-        last = out.last_hidden_state  # [B, Tmax, H], post final norm = lm_head input
-        # One bulk device-to-host copy per tensor (per-row copies cost a sync each); rows are views
-        # of it, consumed (serialized or written) right after capture.
-        aux, last = aux.to("cpu", copy=True), last.to("cpu", copy=True)
-        return [Capture(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
+        aux = torch.cat([out.hidden_states[k] for k in self.info.aux_layers], dim=-1)  # [B, T, 3H]
+        return aux, out.last_hidden_state
+
+    @contextmanager
+    def capture_stream(self) -> Iterator[None]:
+        """Run the block on the calling thread's own CUDA stream and wait for that stream on exit.
+
+        Ray Data runs several capture calls of one actor in threads: on the shared default stream
+        their forwards and copies would queue behind each other; on a stream each, one call's
+        copy overlaps another's forward. A no-op off CUDA.
+        """
+        dev = self.target.device
+        if dev.type != "cuda":
+            yield
+            return
+        stream = getattr(self._thread, "stream", None)
+        if stream is None:
+            stream = self._thread.stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))  # whatever the default stream still owes (weights)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()  # blocks this thread only; the GIL is released while waiting
 
     @torch.inference_mode()
     def generate(
