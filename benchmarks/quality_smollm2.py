@@ -1,7 +1,9 @@
 """Drafter quality on real weights, in one process on one GPU (no Ray): SmolLM2-135M-Instruct.
 
     python benchmarks/quality_smollm2.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --prompts .gg/train_prompts.jsonl --eval-dir .gg/eval --out $OUT/quality.json
+        --prompts .gq/train_prompts.jsonl --eval-dir .gq/eval --out $OUT/quality.json
+    # or in two calls of a 10-minute device limit (the drafter is kept under --work in between):
+    ... --phase train --deadline 560      then      ... --phase eval --deadline 560
 
 self-distill (target answers several thousand training prompts, greedy) -> tokenize with loss
 masks -> capture aux/last hidden states -> vocab map -> TTT training (time-bounded) -> evaluate
@@ -33,9 +35,16 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
     samples = [s for s in read_samples(prompts_path, max_samples=a.num_prompts) if isinstance(s, Sample)]
     out = work / "distilled.jsonl"
     t = time.perf_counter()
-    self_distill(engine, tok, samples, out, max_new_tokens=a.max_new_tokens, batch_size=a.gen_batch)
-    log(f"self-distilled {len(samples)} prompts in {time.perf_counter() - t:.0f}s")
-    return [s for s in read_samples(out) if isinstance(s, Sample)]
+    chunk = 4 * a.gen_batch
+    for start in range(0, len(samples), chunk):  # self_distill appends and resumes: stop between chunks
+        if time.perf_counter() - t > a.distill_seconds:
+            log(f"distillation time budget reached after {start} prompts")
+            break
+        self_distill(engine, tok, samples[start : start + chunk], out, max_new_tokens=a.max_new_tokens,
+                     batch_size=a.gen_batch)
+    done = [s for s in read_samples(out) if isinstance(s, Sample)]
+    log(f"self-distilled {len(done)} prompts in {time.perf_counter() - t:.0f}s")
+    return done
 
 
 def featurize(engine, tok, convs, a):
@@ -67,7 +76,6 @@ def featurize(engine, tok, convs, a):
 def train(engine, records, a, device):
     from eagle3_ray.data.vocab import build_vocab_map, count_tokens, vocab_coverage
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3_ray.drafter.ttt import ttt_forward
     from eagle3_ray.train.packing import collate, plan
     from eagle3_ray.train.schedule import warmup_cosine
 
@@ -81,39 +89,53 @@ def train(engine, records, a, device):
     drafter.bind_embedding(model.get_input_embeddings().weight.float())
     drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
     drafter.to(device)
-    lm_head = model.get_output_embeddings().weight.detach().float()
+    lm_head = model.get_output_embeddings().weight.detach()  # target dtype: fp32 logits in TF32 (exact)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     lengths = np.array([r["input_ids"].numel() for r in records])
     packs = plan(lengths, a.batch_tokens, a.epochs, seed=0)
-    total = len(packs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, total, 0.05))
-    log(f"training: {len(records)} samples, {total} packs of <= {a.batch_tokens} tokens over {a.epochs} epochs; "
-        f"draft vocab {a.draft_vocab} covers {vocab_coverage(counts, t2d):.1%} of loss tokens")
+    # The cosine runs over the steps the time budget allows, re-estimated once the speed is known.
+    horizon = [len(packs)]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, horizon[0], 0.05))
+    log(f"training: {len(records)} samples, {len(packs)} packs of <= {a.batch_tokens} tokens over {a.epochs} epochs "
+        f"(at most); draft vocab {a.draft_vocab} covers {vocab_coverage(counts, t2d):.1%} of loss tokens")
+    attention = a.attention if device.type == "cuda" else "sdpa"
     t0 = time.perf_counter()
-    hist, tokens = [], 0
+    hist, tokens, step = [], 0, 0
     for step, pack in enumerate(packs):
-        if time.perf_counter() - t0 > a.train_seconds:
-            log(f"training time budget reached at step {step}/{total}")
+        elapsed = time.perf_counter() - t0
+        if elapsed > a.train_seconds:
+            log(f"training time budget reached at step {step}/{len(packs)}")
             break
+        if step == 40:
+            horizon[0] = min(len(packs), int(step * a.train_seconds / elapsed))
+            log(f"schedule: {horizon[0]} steps fit the {a.train_seconds:.0f}s budget")
         batch = {k: v.to(device) for k, v in collate([records[i] for i in pack.samples]).items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8)
+        out, attention = _ttt(drafter, batch, lm_head, a, attention)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         tokens += pack.tokens
-        if step % 50 == 0 or step == total - 1:
+        if step % 50 == 0 or step == len(packs) - 1:
             m = out.metrics
             hist.append({"step": step, "loss": m["loss"], "tau": m["tau"], "acc_0": m["acc_0"],
                          "epoch": pack.epoch, "lr": sched.get_last_lr()[0]})
-            log(f"step {step}/{total} ep {pack.epoch} loss {m['loss']:.3f} acc0 {m['acc_0']:.3f} "
-                f"tau {m['tau']:.2f} {tokens / (time.perf_counter() - t0):,.0f} tok/s")
-    return drafter.eval(), hist, {"steps": step + 1, "seconds": time.perf_counter() - t0,
-                                   "tokens_per_s": tokens / (time.perf_counter() - t0),
+            log(f"step {step}/{horizon[0]} ep {pack.epoch} loss {m['loss']:.3f} acc0 {m['acc_0']:.3f} "
+                f"tau {m['tau']:.2f} {tokens / (time.perf_counter() - t0):,.0f} tok/s ({attention})")
+    seconds = time.perf_counter() - t0
+    return drafter.eval(), hist, {"steps": step + 1, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                                   "epochs_seen": packs[step].epoch + 1, "attention": attention,
                                    "coverage": vocab_coverage(counts, t2d)}
+
+
+def _ttt(drafter, batch, lm_head, a, attention):
+    from eagle3_ray.drafter.ttt import ttt_forward
+
+    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16,
+                        enabled=batch["input_ids"].is_cuda):
+        return ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, pad_to=a.batch_tokens), attention
 
 
 def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
@@ -130,7 +152,7 @@ def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
     return sets
 
 
-def evaluate(model, tok, drafter, sets, a) -> dict:
+def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
     import eagle3_ray.spec as spec
     from eagle3_ray.data.chat import render_generation_prompt
 
@@ -140,12 +162,15 @@ def evaluate(model, tok, drafter, sets, a) -> dict:
     spec.target_generate(model, warm, 16)
     for p in modes.values():
         spec.generate(model, drafter, warm, 16, **p)
-    results = {}
-    t_start = time.perf_counter()
+    results, mismatches = {}, {}
+    shares = {"mt_bench": 0.4}  # MT-bench is the headline set; the others share the rest
+    rest = (1 - shares["mt_bench"]) / max(1, len([n for n in sets if n != "mt_bench"]))
     for name, convs in sets.items():
         agg = {m: {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0} for m in ["baseline", *modes]}
+        t_set, budget = time.perf_counter(), a.eval_seconds * shares.get(name, rest)
+        turns_done = 0
         for turns in convs:
-            if time.perf_counter() - t_start > a.eval_seconds:
+            if time.perf_counter() - t_set > budget:
                 break
             messages = []
             for turn in turns[: a.max_turns]:
@@ -157,12 +182,13 @@ def evaluate(model, tok, drafter, sets, a) -> dict:
                 for m, p in modes.items():
                     out, st = spec.generate(model, drafter, ids, a.eval_new_tokens, **p)
                     if out != base:
-                        log(f"WARNING {name} {m}: output differs from greedy baseline")
+                        mismatches[m] = mismatches.get(m, 0) + 1
                     agg[m]["tokens"] += st.new_tokens
                     agg[m]["verified"] += st.new_tokens - 1  # the prefill's token is no verify step
                     agg[m]["steps"] += st.verify_steps
                     agg[m]["seconds"] += st.seconds
                 messages.append({"role": "assistant", "content": tok.decode(base, skip_special_tokens=True)})
+                turns_done += 1
         if agg["baseline"]["tokens"] == 0:  # the evaluation time budget ran out before this set
             continue
         base_tps = agg["baseline"]["tokens"] / max(agg["baseline"]["seconds"], 1e-9)
@@ -170,7 +196,13 @@ def evaluate(model, tok, drafter, sets, a) -> dict:
                              "tokens_per_s": v["tokens"] / max(v["seconds"], 1e-9),
                              "speedup": (v["tokens"] / max(v["seconds"], 1e-9)) / base_tps,
                              "tokens": v["tokens"]} for m, v in agg.items()}
-        log(f"{name}: " + ", ".join(f"{m} tau {r['tau'] or 1:.2f} x{r['speedup']:.2f}" for m, r in results[name].items()))
+        results[name]["turns"] = turns_done
+        results[name]["outputs_differing_from_greedy"] = dict(mismatches)
+        mismatches.clear()
+        on_set(results)
+        log(f"{name}: {turns_done} turns; " + ", ".join(
+            f"{m} tau {r['tau'] or 1:.2f} x{r['speedup']:.2f}" for m, r in results[name].items() if isinstance(r, dict)
+            and "speedup" in r))
     return results
 
 
@@ -179,20 +211,24 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--eval-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/tmp/quality")
+    ap.add_argument("--out", required=True, help="JSON written here (the drafter export goes next to it)")
+    ap.add_argument("--work", default="/tmp/quality", help="keeps the drafter between --phase train and eval")
+    ap.add_argument("--phase", choices=("all", "train", "eval"), default="all")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds this process may run (all phases)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=256)
+    ap.add_argument("--distill-seconds", type=float, default=240)
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--draft-vocab", type=int, default=16384)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--train-seconds", type=float, default=150)
+    ap.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
+    ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--chain-k", type=int, default=3)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--depth", type=int, default=6)
@@ -200,14 +236,14 @@ def main(argv=None) -> int:
     ap.add_argument("--per-set", type=int, default=10)
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--eval-new-tokens", type=int, default=192)
-    ap.add_argument("--eval-seconds", type=float, default=200)
+    ap.add_argument("--eval-seconds", type=float, default=300)
     a = ap.parse_args(argv)
 
     from eagle3_ray.config import TargetConfig
-    from eagle3_ray.drafter.export import export_drafter, save_drafter_weights
     from eagle3_ray.engines.hf import HFEngine
 
     t0 = time.perf_counter()
+    left = lambda: a.deadline - (time.perf_counter() - t0)  # noqa: E731
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = TargetConfig(model=a.gguf, device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
@@ -215,36 +251,69 @@ def main(argv=None) -> int:
     engine = HFEngine(cfg, batch_tokens=65536)
     tok, model, device = engine.tokenizer, engine.target.model, engine.target.device
     log(f"target loaded ({time.perf_counter() - t0:.0f}s), aux layers {engine.info.aux_layers}")
-    convs = distill(engine, tok, Path(a.prompts), work, a)
-    records = featurize(engine, tok, convs, a)
-    drafter, hist, train_info = train(engine, records, a, device)
-    del records
-    save_drafter_weights(drafter, work / "ckpt")
-    export_drafter(work / "ckpt", work / "drafter", engine="sglang")
-    drafter = drafter.to(torch.bfloat16)
-    drafter.bind_embedding(model.get_input_embeddings())
-    sets = eval_sets(Path(a.eval_dir), a.per_set)
-    results = evaluate(model, tok, drafter, sets, a)
-
-    def overall(mode, key):
-        vals = [(r[mode][key], r[mode]["tokens"]) for r in results.values() if r[mode][key] is not None]
-        return sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
-
     summary = {
         "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)",
-        "train_prompts": a.num_prompts, "train": train_info, "history": hist,
-        "eval": results,
-        "tau_chain": overall("chain", "tau"), "tau_tree": overall("tree", "tau"),
-        "tau_chain_mtbench": results.get("mt_bench", {}).get("chain", {}).get("tau"),
-        "tau_tree_mtbench": results.get("mt_bench", {}).get("tree", {}).get("tau"),
-        "speedup_chain": overall("chain", "speedup"), "speedup_tree": overall("tree", "speedup"),
-        "args": vars(a), "seconds": time.perf_counter() - t0,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "phase": a.phase, "args": vars(a), "command": " ".join([sys.executable, *sys.argv]),
     }
-    Path(a.out).write_text(json.dumps(summary, indent=2))
+    out = Path(a.out)
+
+    def write(**kw) -> None:
+        summary.update(kw, seconds=time.perf_counter() - t0)
+        out.write_text(json.dumps(summary, indent=2))
+
+    if a.phase in ("all", "train"):
+        drafter = train_phase(engine, a, work, out.parent, left, write)
+    else:
+        drafter = _load_checkpoint(work / "ckpt")
+    if a.phase == "train":
+        return 0
+    drafter = drafter.to(device=device, dtype=torch.bfloat16)
+    drafter.bind_embedding(model.get_input_embeddings())
+    a.eval_seconds = min(a.eval_seconds, left() - 20)
+    sets = eval_sets(Path(a.eval_dir), a.per_set)
+
+    def on_set(results):
+        def overall(mode, key):
+            vals = [(r[mode][key], r[mode]["tokens"]) for r in results.values() if r[mode][key] is not None]
+            return sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
+
+        write(eval=results, tau_chain=overall("chain", "tau"), tau_tree=overall("tree", "tau"),
+              tau_chain_mtbench=results.get("mt_bench", {}).get("chain", {}).get("tau"),
+              tau_tree_mtbench=results.get("mt_bench", {}).get("tree", {}).get("tau"),
+              speedup_chain=overall("chain", "speedup"), speedup_tree=overall("tree", "speedup"))
+
+    evaluate(model, tok, drafter, sets, a, on_set)
     log(json.dumps({k: v for k, v in summary.items() if k.startswith(("tau", "speedup"))}))
     return 0
+
+
+def train_phase(engine, a, work: Path, out_dir: Path, left, write):
+    """Distil, capture, train within the deadline; keep the checkpoint under work/ and an export in out_dir."""
+    from eagle3_ray.drafter.export import export_drafter, save_drafter_weights
+
+    tok, device = engine.tokenizer, engine.target.device
+    a.distill_seconds = min(a.distill_seconds, left() - 120)
+    convs = distill(engine, tok, Path(a.prompts), work, a)
+    records = featurize(engine, tok, convs, a)
+    a.train_seconds = min(a.train_seconds, left() - 25)
+    drafter, hist, info = train(engine, records, a, device)
+    del records
+    save_drafter_weights(drafter, work / "ckpt")
+    export_drafter(work / "ckpt", out_dir / "drafter_smollm2", engine="sglang")
+    write(train_prompts=len(convs), train=info, history=hist)
+    log(f"drafter saved: {work / 'ckpt'}, export {out_dir / 'drafter_smollm2'}")
+    return drafter
+
+
+def _load_checkpoint(path: Path):
+    from eagle3_ray.drafter.export import load_drafter_weights
+    from eagle3_ray.drafter.model import Eagle3Drafter
+
+    cfg, state = load_drafter_weights(path)
+    drafter = Eagle3Drafter(cfg)
+    drafter.load_state_dict(state, strict=False)  # embed_tokens is the target's, bound later
+    return drafter.eval()
 
 
 if __name__ == "__main__":
