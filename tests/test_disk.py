@@ -179,8 +179,8 @@ def test_extract_hitting_a_full_disk_midway_keeps_shards_valid_and_resumes(prepa
     ballast = tmpfs / "ballast"
     real_check = preflight.check_disk
 
-    def check_then_fill(out_dir, num_tokens, hidden_size, margin=1.1):
-        report = real_check(out_dir, num_tokens, hidden_size, margin)
+    def check_then_fill(out_dir, num_tokens, hidden_size, margin=1.1, compact="none"):
+        report = real_check(out_dir, num_tokens, hidden_size, margin, compact)
         # leave room for about two 64 KiB shards (+ markers, meta, rejects)
         ballast.write_bytes(b"\0" * (report.free_bytes - 160 * 1024))
         return report
