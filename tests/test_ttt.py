@@ -326,3 +326,21 @@ def test_bf16_values_are_exact_in_tf32():
     bits = x.view(torch.int32)
     tf32 = ((bits + (1 << 12)) & ~((1 << 13) - 1)).view(torch.float32)  # round to nearest at bit 13
     assert torch.equal(tf32, x)
+
+
+def test_served_tau_counts_targets_outside_the_draft_vocab_as_misses():
+    from eagle3_ray.drafter.ttt import _same_sample, _shift
+
+    d = _drafter()
+    w = _lm_head(d)
+    batch = _pack([_sample(30, 11), _sample(25, 12)], pad_to=60)
+    with torch.no_grad():
+        m = ttt_forward(d, batch, w, ttt_steps=3).metrics
+    served, chain = 1.0, 1.0
+    for i in range(3):
+        scored = (_shift(batch["loss_mask"].bool(), i, False) & _same_sample(batch["seq_ids"], i + 1)).sum().item()
+        assert scored > m[f"tokens_{i}"]  # some targets fall outside the draft vocab
+        chain *= m[f"acc_{i}"] * m[f"tokens_{i}"] / scored  # hits / every scored position
+        served += chain
+    assert m["tau_served"] == pytest.approx(served)
+    assert m["tau_served"] < m["tau"]
