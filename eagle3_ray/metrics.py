@@ -10,7 +10,7 @@ records nothing, so the compute core and plain scripts can call these freely.
     eagle3_bytes_written  counter  feature bytes committed to the store
     eagle3_rejects        counter  samples quarantined by a stage
     eagle3_extract_tokens_per_s  gauge  tokens/s of one engine actor's last batch
-    eagle3_train_loss / eagle3_train_tau / eagle3_train_acc{ttt_step}  gauges, last logged step
+    eagle3_train_loss / eagle3_train_tau(_served) / eagle3_train_acc{ttt_step}  gauges, last logged step
     eagle3_train_step     gauge    optimizer step
     eagle3_bench_tau{mode}  gauge  acceptance length of a benchmark mode
 """
@@ -30,6 +30,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "extract_tokens_per_s": ("gauge", "Tokens/s of one engine actor over its last batch.", ()),
     "train_loss": ("gauge", "Drafter TTT loss at the last logged step.", ()),
     "train_tau": ("gauge", "Simulated acceptance length at the last logged step.", ()),
+    "train_tau_served": ("gauge", "Simulated acceptance counting targets outside the draft vocab as misses.", ()),
     "train_acc": ("gauge", "Top-1 accuracy of one TTT step at the last logged step.", ("ttt_step",)),
     "train_step": ("gauge", "Optimizer steps taken.", ()),
     "bench_tau": ("gauge", "Measured acceptance length of one speculative-decoding mode.", ("mode",)),
@@ -78,6 +79,8 @@ def record_train_step(metrics: dict[str, float], run: str, ttt_steps: int) -> No
     set_gauge("train_step", metrics["step"], run, "train")
     set_gauge("train_loss", metrics["loss"], run, "train")
     set_gauge("train_tau", metrics["tau"], run, "train")
+    if "tau_served" in metrics:
+        set_gauge("train_tau_served", metrics["tau_served"], run, "train")
     for i in range(ttt_steps):
         if f"acc_{i}" in metrics:
             set_gauge("train_acc", metrics[f"acc_{i}"], run, "train", ttt_step=str(i))

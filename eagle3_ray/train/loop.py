@@ -230,7 +230,8 @@ def train_func(job_dict: dict[str, Any]) -> None:
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(m) + "\n")
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
-                print(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} acc [{accs}] "
+                print(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
+                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
                       f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s", flush=True)
             window, window_n, tokens, t0 = {}, 0, 0, time.monotonic()
             if step % t["checkpoint_every"] and step != max_steps:
