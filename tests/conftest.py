@@ -23,6 +23,21 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
+def ci_tiny_inputs(ray_local, tmp_path_factory):
+    """ci-tiny prepared data, features and vocab map, built once through the real stages (read only)."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.vocab_stage import run_vocab
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    root = tmp_path_factory.mktemp("train_inputs")
+    run_prepare(cfg, None, root / "prepare")
+    run_extract(cfg, root / "prepare", root / "features")
+    run_vocab(cfg, root / "features", root / "vocab")
+    return root
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct, converted from GGUF to safetensors once and cached."""
     from eagle3_ray.engines.targets import smollm2_dir as _smollm2_dir

@@ -148,25 +148,12 @@ def test_killing_an_extraction_actor_mid_run_loses_and_duplicates_nothing(many_s
 # ---------------------------------------------------------------- 2. training worker death
 
 
-@pytest.fixture(scope="module")
-def train_inputs(ray_local, tmp_path_factory):
-    from eagle3_ray.extract.pipeline import run_extract, run_prepare
-    from eagle3_ray.extract.vocab_stage import run_vocab
-
-    cfg = load_config(CI_CONFIG)
-    root = tmp_path_factory.mktemp("train_inputs")
-    run_prepare(cfg, None, root / "prepare")
-    run_extract(cfg, root / "prepare", root / "features")
-    run_vocab(cfg, root / "features", root / "vocab")
-    return root
-
-
 def _metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_killing_a_train_worker_resumes_from_the_last_checkpoint(train_inputs, tmp_path):
+def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
     from eagle3_ray.train.trainer import run_training
 
@@ -174,7 +161,7 @@ def test_killing_a_train_worker_resumes_from_the_last_checkpoint(train_inputs, t
     cfg = load_config(CI_CONFIG, [f"train.max_steps={steps}", f"train.checkpoint_every={every}", "train.log_every=1",
                                   "train.epochs=8", "train.max_failures=2"])
     out = tmp_path / "train"
-    run = Background(lambda: run_training(cfg, train_inputs / "features", train_inputs / "vocab", out))
+    run = Background(lambda: run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out))
     # a step logged after the first checkpoint's report: that checkpoint is registered
     _wait_for("a step past the first checkpoint", lambda: any(m["step"] > every + 1 for m in _metrics(out)),
               run.alive)

@@ -14,20 +14,6 @@ from eagle3_ray.errors import CheckpointError
 CI_CONFIG = "configs/ci-tiny.yaml"
 
 
-@pytest.fixture(scope="module")
-def inputs(ray_local, tmp_path_factory):
-    """ci-tiny features + vocab map, built once through the real stages."""
-    from eagle3_ray.extract.pipeline import run_extract, run_prepare
-    from eagle3_ray.extract.vocab_stage import run_vocab
-
-    cfg = load_config(CI_CONFIG)
-    root = tmp_path_factory.mktemp("train_inputs")
-    run_prepare(cfg, None, root / "prepare")
-    run_extract(cfg, root / "prepare", root / "features")
-    run_vocab(cfg, root / "features", root / "vocab")
-    return root
-
-
 def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -44,14 +30,14 @@ def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
     assert all(p.tokens <= 512 for p in packs)
 
 
-def test_train_checkpoints_resumes_and_exports(inputs, tmp_path):
+def test_train_checkpoints_resumes_and_exports(ci_tiny_inputs, tmp_path):
     from eagle3_ray.drafter import load_drafter
     from eagle3_ray.train.checkpoint import consumed_packs, export_from_training, latest_checkpoint, read_train_state
     from eagle3_ray.train.trainer import run_training
 
     out = tmp_path / "train"
     cfg = load_config(CI_CONFIG, ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1"])
-    ckpt = run_training(cfg, inputs / "features", inputs / "vocab", out)
+    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
     state = read_train_state(ckpt)
     assert state["step"] == 4
     assert (ckpt / "ds").is_dir() and (ckpt / "drafter.safetensors").is_file()
@@ -64,7 +50,7 @@ def test_train_checkpoints_resumes_and_exports(inputs, tmp_path):
 
     # Rerun the same command with a larger budget: it resumes at step 4 and continues.
     more = load_config(CI_CONFIG, ["train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1"])
-    ckpt2 = run_training(more, inputs / "features", inputs / "vocab", out)
+    ckpt2 = run_training(more, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
     assert read_train_state(ckpt2)["step"] == 6
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert consumed_packs(ckpt2) > consumed_packs(ckpt)
@@ -78,27 +64,27 @@ def test_train_checkpoints_resumes_and_exports(inputs, tmp_path):
     assert torch.equal(drafter.fc.weight.float(), trained["fc.weight"].to(torch.bfloat16).float())
 
 
-def test_resume_refuses_a_checkpoint_from_another_config(inputs, tmp_path):
+def test_resume_refuses_a_checkpoint_from_another_config(ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.trainer import run_training
 
     out = tmp_path / "train"
-    run_training(load_config(CI_CONFIG, ["train.max_steps=1"]), inputs / "features", inputs / "vocab", out)
+    run_training(load_config(CI_CONFIG, ["train.max_steps=1"]), ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
     other = load_config(CI_CONFIG, ["train.max_steps=2", "train.batch_tokens=300"])
     with pytest.raises(CheckpointError, match="batch_tokens"):
-        run_training(other, inputs / "features", inputs / "vocab", out)
+        run_training(other, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
 
 
-def test_two_workers_train_with_deepspeed_zero1_on_gloo(inputs, tmp_path):
+def test_two_workers_train_with_deepspeed_zero1_on_gloo(ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.checkpoint import read_train_state
     from eagle3_ray.train.trainer import run_training
 
     cfg = load_config(CI_CONFIG, ["train.num_workers=2", "train.max_steps=2", "train.log_every=1"])
-    ckpt = run_training(cfg, inputs / "features", inputs / "vocab", tmp_path / "train")
+    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
     assert read_train_state(ckpt)["step"] == 2
     assert sorted(p.name for p in (ckpt / "data_state").iterdir()) == ["rank-0.json", "rank-1.json"]
 
 
-def test_train_refuses_a_vocab_map_of_another_size(inputs, tmp_path):
+def test_train_refuses_a_vocab_map_of_another_size(ci_tiny_inputs, tmp_path):
     from eagle3_ray.data.vocab import build_vocab_map, save_vocab_map
     from eagle3_ray.errors import StoreError
     from eagle3_ray.train.trainer import plan_training
@@ -106,4 +92,4 @@ def test_train_refuses_a_vocab_map_of_another_size(inputs, tmp_path):
     d2t, t2d = build_vocab_map(np.ones(100, dtype=np.int64), 10)
     save_vocab_map(tmp_path / "vocab_map.safetensors", d2t, t2d, {})
     with pytest.raises(StoreError, match="target ids"):
-        plan_training(load_config(CI_CONFIG), inputs / "features", tmp_path, tmp_path / "out")
+        plan_training(load_config(CI_CONFIG), ci_tiny_inputs / "features", tmp_path, tmp_path / "out")

@@ -18,6 +18,7 @@ API used by training (``drafter/ttt.py``) and by speculative decoding (``spec/``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -243,19 +244,19 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-_COMPILED_FLEX: list[Any] = []
-
-
 def _flex_attention(device: torch.device):
     """flex_attention, compiled on CUDA (its fused kernel only exists compiled); eager elsewhere,
     where it runs a reference implementation (tests on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
-    if not _COMPILED_FLEX:
-        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
-    return _COMPILED_FLEX[0]
+    return _compiled_flex() if device.type == "cuda" else flex_attention
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class DrafterMLP(nn.Module):

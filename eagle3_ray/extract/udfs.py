@@ -122,7 +122,6 @@ class CaptureWriteUDF:
         from eagle3_ray.engines.factory import build_engine
 
         self.run = run
-
         self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
         if self.engine.info.hidden_size != meta["hidden_size"]:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta['hidden_size']}")
@@ -138,7 +137,7 @@ class CaptureWriteUDF:
         from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
 
         sids = [str(s) for s in batch["sample_id"]]
-        ids = [np.asarray(a, dtype=np.int32) for a in batch["input_ids"]]
+        ids = [np.array(a, dtype=np.int32) for a in batch["input_ids"]]  # writable: torch.from_numpy below
         wid = "b" + hashlib.sha1("\n".join(sids).encode()).hexdigest()[:16]
         lengths = np.asarray([len(a) for a in ids], dtype=np.int64)
         if (Path(self.root) / "shards" / f"{wid}-000000.done.json").exists():
