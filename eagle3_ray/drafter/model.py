@@ -306,10 +306,14 @@ class RotaryEmbedding:
         kind = hf.rope_parameters["rope_type"]
         init = LlamaRotaryEmbedding.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
         self.inv_freq, self.scaling = init(hf)  # [D/2] fp32, float
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per call
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] positions -> (cos, sin), each [B, T, D] in ``dtype``."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # [B, T, D/2]
+        inv_freq = self._inv_freq_on.get(position_ids.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[position_ids.device] = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 

@@ -18,6 +18,7 @@ from eagle3_ray.drafter.model import Eagle3Drafter
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft, Eagle3Proposer, Proposer, chain_generate
 from eagle3_ray.spec.sampling import make_sampling
+from eagle3_ray.spec.static import StaticTarget
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
 from eagle3_ray.spec.target import (
     TargetRunner,
@@ -36,6 +37,7 @@ __all__ = [
     "Eagle3Proposer",
     "Proposer",
     "SpecStats",
+    "StaticTarget",
     "generate",
     "prepare_drafter",
     "prompt_lookup_generate",
@@ -51,7 +53,7 @@ MODE_DEFAULTS: dict[str, dict[str, int]] = {
 
 
 def generate(
-    target: torch.nn.Module,
+    target: torch.nn.Module | StaticTarget,
     drafter: Eagle3Drafter | Proposer,
     input_ids: torch.Tensor | Sequence[int],
     max_new_tokens: int,
@@ -60,20 +62,24 @@ def generate(
 ) -> tuple[list[int], SpecStats]:
     """Speculative decoding of one prompt: (new token ids, EOS kept, without the prompt; stats).
 
+    ``target``: the model, or a ``StaticTarget`` built over it once (preallocated KV cache, one
+    CUDA graph per verify width, reused by every call).
     Params: chain ``num_steps`` (3); tree ``topk`` (4), ``depth`` (5), ``total_tokens`` (16);
     both ``temperature`` (0 = greedy, token-for-token the target's greedy decoding), ``top_p``
     (1.0), ``seed`` (0), ``eos_token_id`` (None = target.generation_config's; [] = never stop).
     """
     opts = _options(mode, params)
     check_max_new_tokens(max_new_tokens)
-    proposer = _as_proposer(drafter, target, opts)
-    device = model_device(target)
+    static = target if isinstance(target, StaticTarget) else None
+    model = static.model if static is not None else target
+    proposer = _as_proposer(drafter, model, opts)
+    device = model_device(model)
     prompt = prompt_tensor(input_ids, device)
     s = make_sampling(opts["temperature"], opts["top_p"], opts["seed"], device)
     max_drafts = opts["num_steps"] if mode == "chain" else opts["depth"]
-    tally = Tally(max_new_tokens, eos_set(target, opts["eos_token_id"]), max_drafts)
+    tally = Tally(max_new_tokens, eos_set(model, opts["eos_token_id"]), max_drafts)
     with torch.inference_mode():
-        runner = TargetRunner(target, proposer.aux_layers)
+        runner = static.runner(proposer.aux_layers) if static is not None else TargetRunner(model, proposer.aux_layers)
         clock = Stopwatch(device)
         if mode == "chain":
             stats = chain_generate(runner, proposer, prompt, tally, s, clock, opts["num_steps"])

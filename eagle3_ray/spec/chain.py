@@ -90,11 +90,11 @@ class Eagle3Proposer:
                 draft_id = torch.multinomial(q, 1, generator=s.generator)[0]
                 qs.append(self._to_target_vocab(q))
             token = self.drafter.draft_to_target(draft_id)
-            ids.append(int(token))
+            ids.append(token)  # stays on the device: one host sync for the whole chain, below
             if i + 1 < k:
                 position = torch.full((1, 1), self.committed + i, device=h.device)
                 h = self.drafter(token.view(1, 1), h, position, cache=self.cache)
-        return Draft(ids, torch.stack(qs) if qs else None)
+        return Draft(torch.stack(ids).tolist(), torch.stack(qs) if qs else None)
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """[Vd] draft-vocab distribution -> [V] target-vocab distribution (0 outside the draft vocab)."""

@@ -25,6 +25,7 @@ from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
 
 if TYPE_CHECKING:
     from eagle3_ray.spec.chain import Proposer
+    from eagle3_ray.spec.static import StaticTarget
 
 MASKABLE_ATTENTION = ("sdpa", "eager")  # attentions that add a custom 4D mask to the scores
 
@@ -102,6 +103,10 @@ class TargetRunner:
             layer.keys = layer.keys[:, :, index]
             layer.values = layer.values[:, :, index]
 
+    def keep_path(self, past: int, path: Sequence[int]) -> None:
+        """Keep the first ``past`` positions, then the new tokens at offsets ``path`` (a tree's accepted path)."""
+        self.keep(torch.cat([torch.arange(past), past + torch.tensor(list(path), dtype=torch.long)]))
+
 
 def prefill(runner: TargetRunner, proposer: Proposer, prompt: torch.Tensor, s: Sampling) -> int:
     """Run the prompt through the target, pick the first new token, and prime the proposer with the
@@ -146,7 +151,7 @@ def model_device(target: torch.nn.Module) -> torch.device:
 
 @torch.inference_mode()
 def target_generate(
-    target: torch.nn.Module,
+    target: torch.nn.Module | StaticTarget,
     input_ids: torch.Tensor | Sequence[int],
     max_new_tokens: int,
     *,
@@ -155,19 +160,30 @@ def target_generate(
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> tuple[list[int], SpecStats]:
-    """Plain decoding, one target forward per token, timed like ``generate``: the speedup baseline."""
+    """Plain decoding, one target forward per token, timed like ``generate``: the speedup baseline.
+
+    ``target``: the model, or a ``StaticTarget`` (preallocated cache, CUDA graphs) built over it.
+    """
+    from eagle3_ray.spec.static import StaticTarget  # static.py builds on this module
+
     check_max_new_tokens(max_new_tokens)
-    device = model_device(target)
+    static = target if isinstance(target, StaticTarget) else None
+    model = static.model if static is not None else target
+    device = model_device(model)
     prompt = prompt_tensor(input_ids, device)
     s = make_sampling(temperature, top_p, seed, device)
-    tally = Tally(max_new_tokens, eos_set(target, eos_token_id), max_drafts=0)
+    tally = Tally(max_new_tokens, eos_set(model, eos_token_id), max_drafts=0)
     clock = Stopwatch(device)
-    runner = TargetRunner(target)
-    token = pick(runner.forward(prompt).logits[-1], s)
-    done = tally.first(token)
-    while not done:
-        token = pick(runner.forward(torch.tensor([token], device=device)).logits[-1], s)
-        done = tally.step([token], accepted=0)
+    runner = static.runner() if static is not None else TargetRunner(model)
+    logits = runner.forward(prompt).logits[-1]
+    while True:
+        # Greedy: the next input stays on the device (no host-to-device copy per token).
+        next_ids = logits.argmax()[None] if s.greedy else None
+        token = int(next_ids[0]) if next_ids is not None else pick(logits, s)
+        done = tally.first(token) if not tally.tokens else tally.step([token], accepted=0)
+        if done:
+            break
+        logits = runner.forward(next_ids if next_ids is not None else torch.tensor([token], device=device)).logits[-1]
     return tally.tokens, tally.stats(clock.seconds())
 
 

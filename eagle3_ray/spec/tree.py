@@ -160,7 +160,7 @@ def tree_step(
     ids = torch.cat([torch.tensor([root], device=tree.tokens.device), tree.tokens])  # [N+1]
     out = runner.forward(ids, positions=past + depth, mask=visible)
     path, token = accept_path(out.logits, tree, s)
-    runner.keep(torch.cat([torch.arange(past), past + torch.tensor(path)]))
+    runner.keep_path(past, path)
     new_tokens = ids[path[1:]].tolist() + [token]
     proposer.extend(torch.tensor(new_tokens, device=ids.device), None if out.aux is None else out.aux[path])
     return new_tokens, len(path) - 1

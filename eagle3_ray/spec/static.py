@@ -1,0 +1,272 @@
+"""The target side of speculative decoding on a preallocated KV cache, replayed as CUDA graphs.
+
+A 135M-8B target at batch 1 is launch-bound: one forward of 1 to 64 new tokens costs the same few
+hundred kernel launches whatever its width. ``StaticTarget`` removes that cost: it owns one KV
+storage for every layer, ``[L, 2, kv_heads, max_length, head_dim]``, and captures one CUDA graph
+per forward width it sees (1 for plain decoding, K+1 for a chain, total_tokens+1 for a tree),
+then replays it. Build it once per process and pass it as ``target`` to ``spec.generate`` /
+``spec.target_generate``; every generation reuses the storage and the graphs.
+
+Everything a forward depends on lives in device tensors the graph reads: the token ids, the
+committed length ``past``, each new token's depth (position offset) and the tree mask among the
+new tokens. From them the graphed function itself computes the positions, the cache slots the new
+keys go to (``past + j``) and an additive mask over the whole storage: key s is visible to new
+token q iff s < past, or s = past + r with r an ancestor-or-self of q. Rolling back is therefore
+free: rejected drafts stay in the storage past the committed length, invisible, and the next
+forward overwrites them. A tree's accepted path is moved down to consecutive slots with one
+gather over all layers.
+
+Off CUDA (CPU tests) the same function runs eagerly, so graph replay and the eager path share
+every line but the capture. Its graph safety (no host sync inside the forward) is tested on CPU
+by failing on every op that would read a device value on the host.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from eagle3_ray.errors import ConfigError
+from eagle3_ray.spec.target import MASKABLE_ATTENTION, TargetOut
+
+MAX_GRAPH_WIDTH = 64  # wider forwards run eagerly; verify widths are far below this
+MAX_GRAPHS = 8  # distinct widths captured at most
+
+
+class _Slots:
+    """Where the current forward writes its keys: one [W] long tensor shared by every layer."""
+
+    pos: torch.Tensor | None = None
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared storage; writes the new keys at ``slots.pos``."""
+
+    _layer_type = None  # never registered in transformers' layer-type mappings
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: _Slots):
+        super().__init__()
+        self.keys, self.values = keys, values  # [1, kv, S, D] views into the storage
+        self.slots = slots
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # storage exists from the start
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.slots.pos, key_states)
+        self.values.index_copy_(2, self.slots.pos, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        # Unused: StaticTarget always passes positions (and cache_position where the model takes
+        # one) plus a 4D mask; the committed length is the runner's.
+        return 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class StaticTarget:
+    """A causal LM with a preallocated KV cache and CUDA graphs per forward width (see module doc).
+
+    ``aux_layers``: target ``hidden_states`` indices the drafter reads (its ``config.aux_layers``);
+    empty for plain decoding only. ``max_length``: prompt + new tokens + the widest verify of any
+    generation run through it. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        aux_layers: Sequence[int] = (),
+        max_length: int = 4096,
+        cuda_graphs: bool = True,
+    ):
+        text = model.config.get_text_config()
+        impl = model.config._attn_implementation
+        if impl not in MASKABLE_ATTENTION:
+            raise ConfigError(
+                f"StaticTarget passes a 4D attention mask, which attn_implementation={impl!r} does not take; "
+                f"load the target with attn_implementation in {MASKABLE_ATTENTION}"
+            )
+        layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ConfigError(
+                f"StaticTarget supports full-attention decoders only; this target has layer types {sorted(layer_types)}: "
+                "use spec.generate with the model itself (DynamicCache)"
+            )
+        if max_length < 2:
+            raise ConfigError(f"max_length={max_length}; give the longest prompt + max_new_tokens + verify width")
+        self.model = model
+        self.aux_layers = list(aux_layers)
+        self.max_length = max_length
+        weight = model.get_input_embeddings().weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        layers = text.num_hidden_layers
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.storage = torch.zeros(layers, 2, kv_heads, max_length, head_dim, dtype=self.dtype, device=self.device)
+        self._slots = _Slots()
+        self.cache = Cache(layers=[_SlotLayer(self.storage[i, 0][None], self.storage[i, 1][None], self._slots)
+                                   for i in range(layers)])
+        self._keys = torch.arange(max_length, device=self.device)  # [S]
+        # transformers 5.24 renamed past_key_values to cache and dropped cache_position; take either API.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._takes_cache_position = "cache_position" in params
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], tuple]] = {}
+        self.captured: list[int] = []  # widths with a graph, in capture order
+        self._owner: StaticRunner | None = None
+
+    def runner(self, aux_layers: Sequence[int] = ()) -> StaticRunner:
+        """A fresh generation over this target (the storage is reused, its old content masked out)."""
+        missing = sorted(set(aux_layers) - set(self.aux_layers))
+        if missing:
+            raise ConfigError(
+                f"the drafter reads target hidden_states {list(aux_layers)}, this StaticTarget captures "
+                f"{self.aux_layers}; build it with aux_layers={list(aux_layers)}"
+            )
+        runner = StaticRunner(self, [self.aux_layers.index(k) for k in aux_layers])
+        self._owner = runner  # one generation at a time: it owns the storage
+        return runner
+
+    # -- the forward, shared by eager calls and graph capture ---------------------------------
+    def _run(self, ids, past, depth, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [W], past [] long, depth [W] long, tree [W, W] bool -> (logits [W, V] fp32, aux [W, A*Ht])."""
+        w = ids.shape[0]
+        self._slots.pos = past + torch.arange(w, device=self.device)  # [W] slots of the new keys
+        rel = self._keys[None, :] - past  # [1, S] key slot relative to the first new token
+        inside = (rel >= 0) & (rel < w)
+        ancestor = tree.gather(1, rel.clamp(0, w - 1).expand(w, -1))  # [W, S]
+        visible = (rel < 0) | (inside & ancestor)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]  # [1, 1, W, S]
+        extra = {"cache_position": self._slots.pos} if self._takes_cache_position else {}
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=(past + depth)[None],
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=self.aux_layers or False,
+            **{self._cache_kwarg: self.cache},
+            **extra,
+        )
+        aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
+        return out.logits[0].float(), aux
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, past: int, depth: torch.Tensor, tree: torch.Tensor) -> TargetOut:
+        """One forward of the new tokens ``ids`` after ``past`` committed ones; prompts (past = 0)
+        run eagerly, every later width through its graph."""
+        w = ids.shape[0]
+        if past + w > self.max_length:
+            raise ConfigError(
+                f"this generation needs {past + w} cache slots, the StaticTarget holds max_length={self.max_length}; "
+                "build it with a larger max_length or ask for fewer tokens"
+            )
+        graph = self._graph(w) if past > 0 else None  # a prompt's length varies: no graph for it
+        if graph is None:
+            logits, aux = self._run(ids, torch.tensor(past, device=self.device), depth, tree)
+            return TargetOut(logits, aux)
+        g, buf, (logits, aux) = graph
+        buf["ids"].copy_(ids, non_blocking=True)
+        buf["past"].fill_(past)
+        buf["depth"].copy_(depth, non_blocking=True)
+        buf["tree"].copy_(tree, non_blocking=True)
+        g.replay()
+        # Copies: the next replay overwrites the graph's outputs.
+        return TargetOut(logits.clone(), None if aux is None else aux.clone())
+
+    def _graph(self, w: int):
+        if not self.cuda_graphs or w > MAX_GRAPH_WIDTH:
+            return None
+        if w not in self._graphs and len(self._graphs) < MAX_GRAPHS:
+            self._graphs[w] = self._capture(w)
+            self.captured.append(w)
+        return self._graphs.get(w)
+
+    def _capture(self, w: int):
+        dev = self.device
+        buf = {
+            "ids": torch.zeros(w, dtype=torch.long, device=dev),
+            # Warm-up and capture write their keys into the last w slots, which no forward that
+            # fits max_length reads before overwriting them.
+            "past": torch.tensor(self.max_length - w, device=dev),
+            "depth": torch.arange(w, device=dev),
+            "tree": torch.ones(w, w, dtype=torch.bool, device=dev).tril(),
+        }
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # cuBLAS/attention workspaces and lazy inits happen outside the capture
+                self._run(**buf)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run(**buf)
+        return graph, buf, out
+
+    @torch.inference_mode()
+    def move(self, src: torch.Tensor, dst_start: int) -> None:
+        """Copy the keys/values at slots ``src`` [n] to ``dst_start .. dst_start + n - 1``, every layer."""
+        dst = torch.arange(dst_start, dst_start + src.shape[0], device=self.device)
+        self.storage.index_copy_(3, dst, self.storage.index_select(3, src.to(self.device)))
+
+
+class StaticRunner:
+    """One generation's view of a ``StaticTarget``: the ``TargetRunner`` interface, rollback by length."""
+
+    def __init__(self, target: StaticTarget, aux_index: list[int]):
+        self.target = target
+        self.device = target.device
+        self._length = 0
+        self._aux_index = aux_index
+        self._aux_cols: torch.Tensor | None = None
+        if aux_index and aux_index != list(range(len(target.aux_layers))):
+            width = target.model.config.get_text_config().hidden_size
+            self._aux_cols = torch.cat([torch.arange(i * width, (i + 1) * width) for i in aux_index]).to(self.device)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor | None = None,  # [T]; default: right after the cache
+        mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens, True = attend; None = causal
+    ) -> TargetOut:
+        if self.target._owner is not self:
+            raise RuntimeError(
+                "another generation started on this StaticTarget and overwrote its KV storage; run one "
+                "generation at a time per StaticTarget (build one per thread)"
+            )
+        t, past = ids.shape[0], self._length
+        dev = self.device
+        depth = torch.arange(t, device=dev) if positions is None else positions.to(dev) - past
+        tree = torch.ones(t, t, dtype=torch.bool, device=dev).tril() if mask is None else mask.to(dev)
+        out = self.target.forward(ids.to(dev), past, depth, tree)
+        self._length = past + t
+        if not self._aux_index:
+            return TargetOut(out.logits, None)
+        return TargetOut(out.logits, out.aux if self._aux_cols is None else out.aux[:, self._aux_cols])
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions; the rest stay in the storage, masked, until overwritten."""
+        self._length = min(self._length, n)
+
+    def keep_path(self, past: int, path: Sequence[int]) -> None:
+        """Keep the first ``past`` positions, then the new tokens at offsets ``path`` (a tree's accepted path)."""
+        if list(path) != list(range(len(path))):
+            self.target.move(past + torch.tensor(list(path)), past)
+        self._length = past + len(path)

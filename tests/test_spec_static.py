@@ -1,0 +1,135 @@
+"""StaticTarget (preallocated KV storage, CUDA graphs per verify width): the same greedy output and
+the same acceptance as the DynamicCache path, storage reuse across generations, graph safety of
+the forward (no host sync), and the errors a user can cause. The graph capture itself needs CUDA
+and is exercised by benchmarks/quality_smollm2.py on the H200; off CUDA the identical function
+runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_ray.errors import ConfigError
+from eagle3_ray.spec import StaticTarget, generate, prepare_drafter, target_generate
+from eagle3_ray.spec.static import StaticRunner
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_config):
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config).eval()
+    layers = tiny_llama_config.num_hidden_layers
+    cfg = DrafterConfig.from_target(tiny_llama_config, tiny_llama_config.vocab_size, [2, layers // 2, layers - 3])
+    torch.manual_seed(1)
+    drafter = prepare_drafter(Eagle3Drafter(cfg), target)
+    return target, drafter
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+MODES = [("chain", {"num_steps": 3}), ("tree", {"topk": 3, "depth": 4, "total_tokens": 10})]
+
+
+def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny):
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=256)
+    # Prompts of growing then shrinking length: the storage is reused and old content must stay hidden.
+    prompts = _prompts(3, target.config.vocab_size)
+    for prompt in prompts + prompts[::-1]:
+        ref, _ = target_generate(target, prompt, 20, eos_token_id=[])
+        assert target_generate(static, prompt, 20, eos_token_id=[])[0] == ref
+        for mode, params in MODES:
+            dyn, dyn_stats = generate(target, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
+            out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
+            assert out == dyn == ref
+            assert stats.accept_hist == dyn_stats.accept_hist  # same drafts, same verdicts
+    assert static.captured == []  # no graphs off CUDA
+
+
+def test_tree_paths_move_in_the_storage(tiny):
+    """A tree whose accepted path is not the first nodes: keys move down to consecutive slots."""
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=128)
+    prompt = _prompts(1, target.config.vocab_size, seed=3)[0]
+    runner = static.runner(drafter.config.aux_layers)
+    ids = torch.tensor(prompt)
+    runner.forward(ids)
+    past = runner.length
+    # Root + 3 nodes; node 1 and node 3 are siblings under the root, node 2 is node 1's child.
+    tree_ids = torch.tensor([5, 7, 9, 11])
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 2, 1])
+    runner.forward(tree_ids, positions=past + depth, mask=visible)
+    runner.keep_path(past, [0, 3])  # root, then node 3
+    nxt = runner.forward(torch.tensor([13])).logits[-1]
+    ref = target(torch.tensor([prompt + [5, 11, 13]])).logits[0, -1]
+    torch.testing.assert_close(nxt, ref, rtol=1e-4, atol=1e-4)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op that reads a device value on the host (a sync, which a CUDA graph cannot hold)."""
+
+    SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.SYNCS):
+            raise AssertionError(f"host sync inside the graphed forward: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_graphed_function_has_no_host_sync(tiny):
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=64)
+    w = 4
+    buf = {"ids": torch.arange(w), "past": torch.tensor(10), "depth": torch.arange(w),
+           "tree": torch.ones(w, w, dtype=torch.bool).tril()}
+    with torch.inference_mode(), NoHostSync():
+        logits, aux = static._run(**buf)
+    assert logits.shape == (w, target.config.vocab_size) and aux.shape == (w, 3 * target.config.hidden_size)
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the check itself can fail
+        int(torch.tensor(3) + 1)
+
+
+def test_smollm2_static_is_greedy(smollm2):
+    target, tok = smollm2
+    torch.manual_seed(1)
+    layers = target.config.num_hidden_layers
+    cfg = DrafterConfig.from_target(target.config, 2048, [2, layers // 2, layers - 3])
+    drafter = prepare_drafter(Eagle3Drafter(cfg), target)
+    static = StaticTarget(target, cfg.aux_layers, max_length=96)
+    prompt = tok("The capital of France is")["input_ids"]
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    for mode, params in MODES:
+        assert generate(static, drafter, prompt, 16, mode=mode, **params)[0] == ref
+
+
+def test_user_errors(tiny, tiny_llama_config):
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=32)
+    with pytest.raises(ConfigError, match="max_length=32"):
+        target_generate(static, list(range(3, 30)), 10, eos_token_id=[])
+    with pytest.raises(ConfigError, match="aux_layers="):
+        StaticTarget(target, [1], max_length=32).runner(drafter.config.aux_layers)
+    first = static.runner()
+    static.runner()
+    with pytest.raises(RuntimeError, match="one generation at a time"):
+        first.forward(torch.tensor([3, 4]))
+    sliding = LlamaConfig(**{**tiny_llama_config.to_dict(), "layer_types": ["sliding_attention"] * 8,
+                             "sliding_window": 16})
+    with pytest.raises(ConfigError, match="full-attention"):
+        StaticTarget(LlamaForCausalLM(sliding).eval(), max_length=32)
+    assert isinstance(static.runner(), StaticRunner)
