@@ -156,6 +156,10 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after N optimizer steps.")
     batch_tokens: int = Field(4096, ge=1, description="Tokens per micro-batch per worker (packing budget).")
+    row_tokens: int | None = Field(
+        2048, ge=1, description="sdpa attention: lay a pack out as rows of whole samples of about this many "
+        "tokens (the same loss; dense attention then costs rows x R^2 instead of N^2). None = one row."
+    )
     grad_accum: int = Field(1, ge=1)
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads on CPU) per training worker.")

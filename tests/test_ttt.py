@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3_ray.drafter import DrafterConfig, Eagle3Drafter, ttt_attention_mask, ttt_forward
+from eagle3_ray.drafter.ttt import split_rows
 
 H, HT, VOCAB, DRAFT = 16, 16, 40, 24
 
@@ -210,6 +211,30 @@ def test_packing_and_padding_invariance():
     assert packed["loss"] == pytest.approx(total, rel=1e-5)
 
 
+def test_rows_of_whole_samples_give_the_same_loss_and_gradients():
+    """split_rows (sdpa's cheaper layout of a long pack) changes the attention's cost, not its result."""
+    samples = [_sample(n, 20 + n) for n in (9, 4, 7, 3, 6)]
+    batch = _pack(samples, pad_to=33)
+    rows = split_rows(batch, 10)
+    assert rows["seq_ids"].shape == (3, 10)  # 9 | 7+3 | 6+4 (first fit, longest first)
+    assert sorted(rows["seq_ids"][rows["seq_ids"] >= 0].tolist()) == sorted(batch["seq_ids"][0][:29].tolist())
+    grads = []
+    for row_tokens in (None, 10, 8):
+        d = _drafter(seed=4)
+        w = _lm_head(d, seed=4)
+        out = ttt_forward(d, batch, w, ttt_steps=3, row_tokens=row_tokens)
+        out.loss.backward()
+        grads.append((out, [p.grad.clone() for p in d.parameters() if p.requires_grad]))
+    (ref, ref_grads), *others = grads
+    for out, g in others:
+        assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
+        for i in range(3):
+            assert out.metrics[f"tokens_{i}"] == ref.metrics[f"tokens_{i}"]
+            assert out.metrics[f"acc_{i}"] == pytest.approx(ref.metrics[f"acc_{i}"])
+        for a, b in zip(g, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_drafter_overfits_a_tiny_batch():
     d = _drafter(seed=3)
     w = _lm_head(d, seed=3, scale=3.0)
@@ -297,7 +322,7 @@ def test_flex_attention_computes_the_same_ttt_loss():
 def test_block_mask_is_the_dense_mask_over_a_fixed_length_cache():
     from torch.nn.attention.flex_attention import create_mask
 
-    from eagle3_ray.drafter.ttt import ttt_block_mask
+    from eagle3_ray.drafter.ttt import split_rows, ttt_block_mask
 
     seq = torch.tensor([[0, 0, 0, 1, 1, -1]])
     steps = 3

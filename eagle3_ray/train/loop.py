@@ -203,7 +203,7 @@ def train_func(job_dict: dict[str, Any]) -> None:
         consumed.add(str(row["key"]))
         batch = row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype)
         out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
-                          pad_to=t["batch_tokens"])
+                          pad_to=t["batch_tokens"], row_tokens=t["row_tokens"])
         engine.backward(out.loss)
         engine.step()
         micro += 1
