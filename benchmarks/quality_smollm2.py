@@ -14,10 +14,12 @@ batch 1, temperature 0, same prompts in the same run. Uses the package's own mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,24 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
                      batch_size=a.gen_batch)
     done = [s for s in read_samples(out) if isinstance(s, Sample)]
     log(f"self-distilled {len(done)} prompts in {time.perf_counter() - t:.0f}s")
+    # More data from the same prompts: sampled answers (temperature > 0) are other trajectories of
+    # the same target; the drafter still learns the target's distribution at every position.
+    extra_out = work / "distilled_sampled.jsonl"
+    for copy in range(1, a.samples_per_prompt):
+        if time.perf_counter() - t > a.distill_seconds:
+            log(f"distillation time budget reached before sampled copy {copy}")
+            break
+        answered = {s.sample_id for s in done}
+        copies = [dataclasses.replace(s, sample_id=f"{s.sample_id}#s{copy}") for s in samples if s.sample_id in answered]
+        for start in range(0, len(copies), chunk):
+            if time.perf_counter() - t > a.distill_seconds:
+                break
+            self_distill(engine, tok, copies[start : start + chunk], extra_out, max_new_tokens=a.max_new_tokens,
+                         batch_size=a.gen_batch, temperature=a.sample_temperature, seed=copy)
+    if extra_out.exists():
+        extra = [s for s in read_samples(extra_out) if isinstance(s, Sample)]
+        log(f"+ {len(extra)} sampled answers (temperature {a.sample_temperature}) in {time.perf_counter() - t:.0f}s")
+        done += extra
     return done
 
 
@@ -58,15 +78,16 @@ def featurize(engine, tok, convs, a):
         except SampleRejected:
             pass
     t = time.perf_counter()
-    records = []
+    records, dev = [], engine.target.device
     for start in range(0, len(toks), 256):
         chunk = toks[start : start + 256]
         caps = engine.capture([c.input_ids for c in chunk])
         for c, cap in zip(chunk, caps):
             records.append({
                 "input_ids": torch.tensor(c.input_ids), "loss_mask": torch.tensor(c.loss_mask, dtype=torch.uint8),
-                "aux_hidden": cap.aux_hidden.to(torch.bfloat16).clone(),
-                "last_hidden": cap.last_hidden.to(torch.bfloat16).clone(),
+                # Kept on the training device: no host-to-device copy per training step.
+                "aux_hidden": cap.aux_hidden.to(device=dev, dtype=torch.bfloat16),
+                "last_hidden": cap.last_hidden.to(device=dev, dtype=torch.bfloat16),
             })
     n = sum(r["input_ids"].numel() for r in records)
     log(f"captured {len(records)} samples, {n:,} tokens in {time.perf_counter() - t:.0f}s")
@@ -135,7 +156,8 @@ def _ttt(drafter, batch, lm_head, a, attention):
 
     with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16,
                         enabled=batch["input_ids"].is_cuda):
-        return ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, pad_to=a.batch_tokens), attention
+        return ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, pad_to=a.batch_tokens,
+                           row_tokens=a.row_tokens), attention
 
 
 def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
@@ -152,21 +174,62 @@ def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
     return sets
 
 
+def hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
+    """The baseline: transformers ``generate``, greedy, batch 1, default (dynamic) cache."""
+    from eagle3_ray.spec.stats import Stopwatch
+
+    dev = model.get_input_embeddings().weight.device
+    eos = model.generation_config.eos_token_id
+    clock = Stopwatch(dev)
+    out = model.generate(ids[None].to(dev), attention_mask=torch.ones_like(ids)[None].to(dev), max_new_tokens=n,
+                         do_sample=False, top_p=None, top_k=None, temperature=None, repetition_penalty=1.0)
+    seconds = clock.seconds()
+    tokens = out[0, ids.shape[0]:].tolist()
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut], seconds
+
+
 def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
+    """Per set and mode: tokens/s over the same turns, tau, and speedup over HF ``generate``.
+
+    Modes: ``plain`` (our greedy loop) and ``chain``/``tree`` (EAGLE-3), each on a ``StaticTarget``
+    (preallocated cache, CUDA graphs; the default), and for the first ``--eager-turns`` turns also on
+    the plain DynamicCache path (``*_eager``) to show what the graphs buy.
+    """
     import eagle3_ray.spec as spec
     from eagle3_ray.data.chat import render_generation_prompt
 
-    modes = {"chain": dict(mode="chain", num_steps=a.chain_k),
-             "tree": dict(mode="tree", topk=a.topk, depth=a.depth, total_tokens=a.total_tokens)}
+    static = spec.StaticTarget(model, drafter.config.aux_layers, max_length=a.max_length + a.eval_new_tokens + 64,
+                               cuda_graphs=not a.no_graphs)
+    spec_modes = {"chain": dict(mode="chain", num_steps=a.chain_k),
+                  "tree": dict(mode="tree", topk=a.topk, depth=a.depth, total_tokens=a.total_tokens)}
+
+    def run(mode, ids, eager=False):
+        target = model if eager else static
+        if mode == "plain":
+            return spec.target_generate(target, ids, a.eval_new_tokens)
+        return spec.generate(target, drafter, ids, a.eval_new_tokens, **spec_modes[mode])
+
+    modes = ["plain", *spec_modes]
     warm = torch.tensor(render_generation_prompt(tok, [{"role": "user", "content": "Hello"}]))
-    spec.target_generate(model, warm, 16)
-    for p in modes.values():
-        spec.generate(model, drafter, warm, 16, **p)
-    results, mismatches = {}, {}
+    hf_generate(model, warm, 16)
+    t = time.perf_counter()
+    try:
+        for m in modes:  # captures the graphs of every width these modes use
+            run(m, warm)
+    except Exception:  # noqa: BLE001 - keep measuring without graphs, and say why
+        log("graph capture failed, StaticTarget falls back to eager forwards:\n" + traceback.format_exc())
+        static = spec.StaticTarget(model, drafter.config.aux_layers, max_length=static.max_length, cuda_graphs=False)
+        for m in modes:
+            run(m, warm)
+    log(f"warm-up and graph capture {time.perf_counter() - t:.1f}s, graphs for widths {static.captured}")
+    results, eager_left = {}, a.eager_turns
     shares = {"mt_bench": 0.4}  # MT-bench is the headline set; the others share the rest
     rest = (1 - shares["mt_bench"]) / max(1, len([n for n in sets if n != "mt_bench"]))
+    all_modes = ["baseline", *modes, *(f"{m}_eager" for m in modes)]
     for name, convs in sets.items():
-        agg = {m: {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0} for m in ["baseline", *modes]}
+        agg = {m: {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0, "turns": 0, "differ": 0} for m in all_modes}
         t_set, budget = time.perf_counter(), a.eval_seconds * shares.get(name, rest)
         turns_done = 0
         for turns in convs:
@@ -176,33 +239,43 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
             for turn in turns[: a.max_turns]:
                 messages.append({"role": "user", "content": turn})
                 ids = torch.tensor(render_generation_prompt(tok, messages)[-a.max_length:])
-                base, st = spec.target_generate(model, ids, a.eval_new_tokens)
+                base, seconds = hf_generate(model, ids, a.eval_new_tokens)
                 agg["baseline"]["tokens"] += len(base)
-                agg["baseline"]["seconds"] += st.seconds
-                for m, p in modes.items():
-                    out, st = spec.generate(model, drafter, ids, a.eval_new_tokens, **p)
-                    if out != base:
-                        mismatches[m] = mismatches.get(m, 0) + 1
-                    agg[m]["tokens"] += st.new_tokens
-                    agg[m]["verified"] += st.new_tokens - 1  # the prefill's token is no verify step
-                    agg[m]["steps"] += st.verify_steps
-                    agg[m]["seconds"] += st.seconds
+                agg["baseline"]["seconds"] += seconds
+                agg["baseline"]["turns"] += 1
+                todo = [(m, False) for m in modes] + ([(m, True) for m in modes] if eager_left > 0 else [])
+                eager_left -= 1
+                for m, eager in todo:
+                    out, st = run(m, ids, eager)
+                    v = agg[f"{m}_eager" if eager else m]
+                    v["differ"] += int(out != base)
+                    v["tokens"] += st.new_tokens
+                    v["verified"] += st.new_tokens - 1  # the prefill's token is no verify step
+                    v["steps"] += st.verify_steps
+                    v["seconds"] += st.seconds
+                    v["turns"] += 1
                 messages.append({"role": "assistant", "content": tok.decode(base, skip_special_tokens=True)})
                 turns_done += 1
         if agg["baseline"]["tokens"] == 0:  # the evaluation time budget ran out before this set
             continue
-        base_tps = agg["baseline"]["tokens"] / max(agg["baseline"]["seconds"], 1e-9)
-        results[name] = {m: {"tau": v["verified"] / max(v["steps"], 1) if m != "baseline" else None,
-                             "tokens_per_s": v["tokens"] / max(v["seconds"], 1e-9),
-                             "speedup": (v["tokens"] / max(v["seconds"], 1e-9)) / base_tps,
-                             "tokens": v["tokens"]} for m, v in agg.items()}
-        results[name]["turns"] = turns_done
-        results[name]["outputs_differing_from_greedy"] = dict(mismatches)
-        mismatches.clear()
+        results[name] = {"turns": turns_done}
+        for m, v in agg.items():
+            if not v["turns"]:
+                continue
+            tps = v["tokens"] / max(v["seconds"], 1e-9)
+            results[name][m] = {"tau": v["verified"] / max(v["steps"], 1) if m.startswith(("chain", "tree")) else None,
+                                "tokens_per_s": tps, "tokens": v["tokens"], "turns": v["turns"],
+                                "outputs_differing_from_hf_greedy": v["differ"]}
+        base_tps = results[name]["baseline"]["tokens_per_s"]
+        plain_tps = results[name]["plain"]["tokens_per_s"]
+        for m, r in results[name].items():
+            if isinstance(r, dict):
+                r["speedup"] = r["tokens_per_s"] / base_tps  # over HF generate (the goal's baseline)
+                r["speedup_vs_plain_static"] = r["tokens_per_s"] / plain_tps  # same machinery, no drafter
         on_set(results)
         log(f"{name}: {turns_done} turns; " + ", ".join(
-            f"{m} tau {r['tau'] or 1:.2f} x{r['speedup']:.2f}" for m, r in results[name].items() if isinstance(r, dict)
-            and "speedup" in r))
+            f"{m} {r['tokens_per_s']:.0f} tok/s tau {r['tau'] or 1:.2f} x{r['speedup']:.2f}"
+            for m, r in results[name].items() if isinstance(r, dict)))
     return results
 
 
@@ -223,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--row-tokens", type=int, default=2048, help="sdpa: attention rows of whole samples")
+    ap.add_argument("--samples-per-prompt", type=int, default=1, help="1 greedy answer + N-1 sampled ones")
+    ap.add_argument("--sample-temperature", type=float, default=0.7)
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=int, default=50)
@@ -237,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--eval-new-tokens", type=int, default=192)
     ap.add_argument("--eval-seconds", type=float, default=300)
+    ap.add_argument("--eager-turns", type=int, default=2, help="turns also decoded without the StaticTarget")
+    ap.add_argument("--no-graphs", action="store_true", help="StaticTarget without CUDA graphs")
     a = ap.parse_args(argv)
 
     from eagle3_ray.config import TargetConfig
@@ -278,10 +356,15 @@ def main(argv=None) -> int:
             vals = [(r[mode][key], r[mode]["tokens"]) for r in results.values() if r[mode][key] is not None]
             return sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
 
+        mt = results.get("mt_bench", {})
         write(eval=results, tau_chain=overall("chain", "tau"), tau_tree=overall("tree", "tau"),
-              tau_chain_mtbench=results.get("mt_bench", {}).get("chain", {}).get("tau"),
-              tau_tree_mtbench=results.get("mt_bench", {}).get("tree", {}).get("tau"),
-              speedup_chain=overall("chain", "speedup"), speedup_tree=overall("tree", "speedup"))
+              tau_chain_mtbench=mt.get("chain", {}).get("tau"), tau_tree_mtbench=mt.get("tree", {}).get("tau"),
+              speedup_chain_mtbench=mt.get("chain", {}).get("speedup"),
+              speedup_tree_mtbench=mt.get("tree", {}).get("speedup"),
+              speedup_chain=overall("chain", "speedup"), speedup_tree=overall("tree", "speedup"),
+              speedup_chain_vs_plain_static=overall("chain", "speedup_vs_plain_static"),
+              speedup_tree_vs_plain_static=overall("tree", "speedup_vs_plain_static"),
+              speedup_plain_static=overall("plain", "speedup"))
 
     evaluate(model, tok, drafter, sets, a, on_set)
     log(json.dumps({k: v for k, v in summary.items() if k.startswith(("tau", "speedup"))}))

@@ -1,0 +1,131 @@
+"""Batch-1 decoding cost on one GPU: HF ``generate`` vs our loop on the DynamicCache vs ``StaticTarget``
+(preallocated cache + CUDA graphs), and the cost of one chain / tree verify cycle with a drafter.
+
+    python benchmarks/static_decode.py --out $OUT/static_decode.json          # SmolLM2-135M shape
+    python benchmarks/static_decode.py --layers 32 --hidden 4096 ...          # another Llama shape
+
+Random weights (speed does not depend on them); bf16; EOS off so every run makes exactly
+``--new-tokens`` tokens. The drafter is random too, so its drafts are (almost) always rejected:
+chain/tree figures here are the cost of a verify cycle (drafting + verify + rollback), not a
+speedup; tokens/s of real drafters is in quality_smollm2.py. Every mode's output is compared with
+the eager greedy output (bf16: near-ties may flip between kernels; the count is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default=None, help="cProfile one run of this mode (e.g. chain_static) into --out.prof.txt")
+    a = ap.parse_args(argv)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import eagle3_ray.spec as spec
+    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    aux = [2, a.layers // 2, a.layers - 3]
+    dcfg = DrafterConfig.from_target(cfg, min(a.vocab, 32000), aux)
+    drafter = spec.prepare_drafter(Eagle3Drafter(dcfg), model)
+    prompt = torch.randint(10, a.vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    n = a.new_tokens
+    result = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+              "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
+              "prompt_tokens": a.prompt_tokens, "new_tokens": n, "dtype": str(dtype),
+              "command": " ".join([sys.executable, *sys.argv]), "modes": {}}
+
+    def hf():
+        clock = spec.stats.Stopwatch(dev)
+        out = model.generate(prompt[None].to(dev), attention_mask=torch.ones(1, a.prompt_tokens, device=dev),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             top_p=None, top_k=None, temperature=None)
+        return out[0, a.prompt_tokens:].tolist(), clock.seconds()
+
+    def ours(target, mode):
+        if mode == "plain":
+            toks, st = spec.target_generate(target, prompt, n, eos_token_id=[])
+        else:
+            params = {"chain": dict(num_steps=3), "tree": dict(topk=8, depth=6, total_tokens=48)}[mode]
+            toks, st = spec.generate(target, drafter, prompt, n, mode=mode, eos_token_id=[], **params)
+        return toks, st.seconds, st.verify_steps
+
+    t = time.perf_counter()
+    try:
+        static = spec.StaticTarget(model, aux, max_length=a.prompt_tokens + n + 64)
+        for mode in ("plain", "chain", "tree"):
+            ours(static, mode)
+        result["capture_seconds"] = time.perf_counter() - t
+        result["graph_widths"] = static.captured
+    except Exception:  # noqa: BLE001 - report it and measure the eager static path instead
+        result["capture_error"] = traceback.format_exc()
+        print(result["capture_error"], flush=True)
+        static = spec.StaticTarget(model, aux, max_length=a.prompt_tokens + n + 64, cuda_graphs=False)
+    ref, _ = hf()
+    runs = {"hf_generate": lambda: (*hf(), n)}
+    for mode in ("plain", "chain", "tree"):
+        runs[f"{mode}_eager"] = lambda mode=mode: ours(model, mode)
+        runs[f"{mode}_static"] = lambda mode=mode: ours(static, mode)
+    for name, fn in runs.items():
+        fn()  # warm-up
+        times, differ, cycles = [], 0, 0
+        for _ in range(a.repeats):
+            toks, seconds, cycles = fn()
+            times.append(seconds)
+            differ += int(toks != ref)
+        best = min(times)
+        result["modes"][name] = {"tokens_per_s": n / best, "ms_per_forward": 1000 * best / max(cycles, 1),
+                                 "target_forwards": cycles, "seconds": times, "runs_differing_from_hf": differ}
+        print(f"{name:14s} {n / best:8.1f} tok/s  {1000 * best / max(cycles, 1):7.2f} ms/cycle  differ {differ}",
+              flush=True)
+    if a.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        runs[a.profile]()
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(45)
+        with open(a.out + ".prof.txt", "w") as f:
+            f.write(text.getvalue())
+    base = result["modes"]["hf_generate"]["tokens_per_s"]
+    for r in result["modes"].values():
+        r["vs_hf_generate"] = r["tokens_per_s"] / base
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
