@@ -93,3 +93,31 @@ def test_train_refuses_a_vocab_map_of_another_size(ci_tiny_inputs, tmp_path):
     save_vocab_map(tmp_path / "vocab_map.safetensors", d2t, t2d, {})
     with pytest.raises(StoreError, match="target ids"):
         plan_training(load_config(CI_CONFIG), ci_tiny_inputs / "features", tmp_path, tmp_path / "out")
+
+
+def test_the_training_loop_reads_its_shard_in_one_pass(ray_local, tmp_path):
+    """Steps take rows from one execution of the dataset: DataIterator.iter_rows() is an iterable
+    that re-executes the whole pipeline on every iter(), which once cost seconds per step."""
+    import ray
+
+    from eagle3_ray.train.loop import next_unconsumed, pack_stream
+
+    log = tmp_path / "loads.txt"
+    path = str(log)
+
+    def load(row: dict) -> dict:  # nested: pickled by value for the Ray workers
+        with open(path, "a") as f:
+            f.write(f"{row['id']}\n")
+        return {"key": f"0:{row['id']}"}
+
+    ds = ray.data.range(8, override_num_blocks=8).map(load)
+    rows = pack_stream(ds.iterator())
+    consumed = {"0:2"}
+    taken = []
+    for _ in range(7):
+        row = next_unconsumed(rows, consumed)
+        consumed.add(row["key"])
+        taken.append(row["key"])
+    assert next_unconsumed(rows, consumed) is None
+    assert sorted(taken) == sorted(f"0:{i}" for i in range(8) if i != 2)
+    assert len(log.read_text().split()) == 8  # every row loaded once: one execution

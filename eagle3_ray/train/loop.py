@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -154,6 +154,21 @@ def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
     return int(state["step"]), consumed
 
 
+def pack_stream(shard) -> Iterator[dict]:
+    """One pass over a worker's dataset shard, as an iterator.
+
+    ``DataIterator.iter_rows()`` returns an *iterable* that starts a new execution of the whole
+    dataset on every ``iter()``; taking rows from it directly (``next(r for r in shard_rows ...)``)
+    re-ran the pipeline for every step.
+    """
+    return iter(shard.iter_rows())
+
+
+def next_unconsumed(rows: Iterator[dict], consumed: set[str]) -> dict | None:
+    """The next row whose pack has not been trained on yet (resume skips consumed packs)."""
+    return next((r for r in rows if str(r["key"]) not in consumed), None)
+
+
 def train_func(job_dict: dict[str, Any]) -> None:
     import deepspeed
     import ray.train
@@ -191,13 +206,13 @@ def train_func(job_dict: dict[str, Any]) -> None:
     metrics_path = Path(job.out_dir) / "metrics.jsonl"
     max_steps = min(job.total_steps, t["max_steps"] or job.total_steps)
 
-    rows = ray.train.get_dataset_shard("train").iter_rows()
+    rows = pack_stream(ray.train.get_dataset_shard("train"))
     window: dict[str, float] = {}
     window_n, tokens, t0 = 0, 0, time.monotonic()
     micro, saved_step = 0, step
     last_metrics: dict[str, float] = {}
     while step < max_steps:
-        row = next((r for r in rows if r["key"] not in consumed), None)
+        row = next_unconsumed(rows, consumed)
         if not _all_have_data(row is not None, device):
             break
         consumed.add(str(row["key"]))
