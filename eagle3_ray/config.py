@@ -184,6 +184,11 @@ class BenchConfig(_Section):
     depth: int = Field(5, ge=1, description="Tree depth.")
     total_tokens: int = Field(16, ge=1, description="Tree draft tokens verified per step.")
     prompt_lookup: bool = Field(True, description="Also run prompt-lookup decoding as a peer.")
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, decode (baseline included) through a StaticTarget: preallocated KV cache "
+        "and CUDA graphs per verify width (docs/spec.md). Off CUDA it has no effect."
+    )
+    max_length: int = Field(8192, ge=16, description="Longest prompt + new tokens of a StaticTarget generation.")
     num_gpus: float = Field(0.0, ge=0.0)
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
 

@@ -53,6 +53,18 @@ class BenchActor:
         self.drafter = prepare_drafter(load_drafter(drafter_dir), model)
         self.untrained = _untrained_like(self.drafter, model) if compare_untrained else None
         self.info = {"device": _device_name(self.target.device), "target": target_cfg["model"], "drafter": drafter_dir}
+        self._static = None  # the StaticTarget (CUDA), built on first use
+
+    def _decoding_target(self, b: BenchConfig):
+        """The model, or on CUDA with ``bench.cuda_graphs`` one StaticTarget shared by every mode."""
+        if not (b.cuda_graphs and self.target.device.type == "cuda"):
+            return self.target.model
+        if self._static is None or self._static.max_length != b.max_length:
+            from eagle3_ray.spec import StaticTarget
+
+            self._static = StaticTarget(self.target.model, self.drafter.config.aux_layers, max_length=b.max_length)
+            self.info["static_target"] = f"CUDA graphs, max_length {b.max_length}"
+        return self._static
 
     def describe(self) -> dict[str, str]:
         return dict(self.info)
@@ -104,13 +116,14 @@ class BenchActor:
         from eagle3_ray import spec
 
         model = self.target.model
+        decoding = self._decoding_target(b)  # every mode but prompt lookup (transformers' generate)
         sampling = {"temperature": b.temperature, "seed": SAMPLING_SEED}
         chain = {"mode": "chain", "num_steps": b.num_steps, **sampling}
         tree = {"mode": "tree", "topk": b.topk, "depth": b.depth, "total_tokens": b.total_tokens, **sampling}
 
-        def bind(fn: Callable[..., tuple[list[int], Any]], *args: Any, **kw: Any) -> Runner:
+        def bind(fn: Callable[..., tuple[list[int], Any]], *args: Any, target: Any = decoding, **kw: Any) -> Runner:
             def run(ids: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
-                tokens, stats = fn(model, *args, torch.tensor(ids, device=self.target.device), n, **kw)
+                tokens, stats = fn(target, *args, torch.tensor(ids, device=self.target.device), n, **kw)
                 return list(tokens), stats.to_dict()
 
             return run
@@ -119,7 +132,7 @@ class BenchActor:
         for mode in b.modes:
             runners[mode] = bind(spec.generate, self.drafter, **(chain if mode == "chain" else tree))
         if b.prompt_lookup:
-            runners["prompt_lookup"] = bind(spec.prompt_lookup_generate, num_tokens=PROMPT_LOOKUP_TOKENS)
+            runners["prompt_lookup"] = bind(spec.prompt_lookup_generate, target=model, num_tokens=PROMPT_LOOKUP_TOKENS)
         if self.untrained is not None:
             runners["untrained"] = bind(spec.generate, self.untrained, **chain)
         return runners
