@@ -21,4 +21,4 @@ demo: setup
 	eagle3-ray run -c configs/demo-smollm2.yaml --out $(OUT)
 
 test: setup-dev
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
