@@ -129,14 +129,17 @@ class StaticTarget:
         self._owner: StaticRunner | None = None
 
     def runner(self, aux_layers: Sequence[int] = ()) -> StaticRunner:
-        """A fresh generation over this target (the storage is reused, its old content masked out)."""
-        missing = sorted(set(aux_layers) - set(self.aux_layers))
-        if missing:
+        """A fresh generation over this target (the storage is reused, its old content masked out).
+
+        ``aux_layers``: the drafter's (exactly the ones this StaticTarget captures), or none for
+        plain decoding.
+        """
+        if aux_layers and list(aux_layers) != self.aux_layers:
             raise ConfigError(
                 f"the drafter reads target hidden_states {list(aux_layers)}, this StaticTarget captures "
                 f"{self.aux_layers}; build it with aux_layers={list(aux_layers)}"
             )
-        runner = StaticRunner(self, [self.aux_layers.index(k) for k in aux_layers])
+        runner = StaticRunner(self, with_aux=bool(aux_layers))
         self._owner = runner  # one generation at a time: it owns the storage
         return runner
 
@@ -226,15 +229,11 @@ class StaticTarget:
 class StaticRunner:
     """One generation's view of a ``StaticTarget``: the ``TargetRunner`` interface, rollback by length."""
 
-    def __init__(self, target: StaticTarget, aux_index: list[int]):
+    def __init__(self, target: StaticTarget, with_aux: bool):
         self.target = target
         self.device = target.device
         self._length = 0
-        self._aux_index = aux_index
-        self._aux_cols: torch.Tensor | None = None
-        if aux_index and aux_index != list(range(len(target.aux_layers))):
-            width = target.model.config.get_text_config().hidden_size
-            self._aux_cols = torch.cat([torch.arange(i * width, (i + 1) * width) for i in aux_index]).to(self.device)
+        self._with_aux = with_aux
 
     @property
     def length(self) -> int:
@@ -257,9 +256,7 @@ class StaticRunner:
         tree = torch.ones(t, t, dtype=torch.bool, device=dev).tril() if mask is None else mask.to(dev)
         out = self.target.forward(ids.to(dev), past, depth, tree)
         self._length = past + t
-        if not self._aux_index:
-            return TargetOut(out.logits, None)
-        return TargetOut(out.logits, out.aux if self._aux_cols is None else out.aux[:, self._aux_cols])
+        return out if self._with_aux else TargetOut(out.logits, None)
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` positions; the rest stay in the storage, masked, until overwritten."""

@@ -175,16 +175,22 @@ def target_generate(
     tally = Tally(max_new_tokens, eos_set(model, eos_token_id), max_drafts=0)
     clock = Stopwatch(device)
     runner = static.runner() if static is not None else TargetRunner(model)
-    logits = runner.forward(prompt).logits[-1]
-    while True:
-        # Greedy: the next input stays on the device (no host-to-device copy per token).
-        next_ids = logits.argmax()[None] if s.greedy else None
-        token = int(next_ids[0]) if next_ids is not None else pick(logits, s)
-        done = tally.first(token) if not tally.tokens else tally.step([token], accepted=0)
-        if done:
-            break
-        logits = runner.forward(next_ids if next_ids is not None else torch.tensor([token], device=device)).logits[-1]
+    token, next_ids = _next_token(runner.forward(prompt).logits[-1], s)
+    done = tally.first(token)
+    while not done:
+        token, next_ids = _next_token(runner.forward(next_ids).logits[-1], s)
+        done = tally.step([token], accepted=0)
     return tally.tokens, tally.stats(clock.seconds())
+
+
+def _next_token(logits: torch.Tensor, s: Sampling) -> tuple[int, torch.Tensor]:
+    """(the next token, the same as a [1] tensor on the logits' device to feed back). Greedy keeps
+    the argmax on the device: no host-to-device copy per token."""
+    if s.greedy:
+        ids = logits.argmax()[None]
+        return int(ids[0]), ids
+    token = pick(logits, s)
+    return token, torch.tensor([token], device=logits.device)
 
 
 @torch.inference_mode()
