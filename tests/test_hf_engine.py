@@ -162,9 +162,19 @@ def test_capture_rejects_bad_token_ids(engine):
         HFEngine(TargetConfig(model="random:builtin:tiny-llama"), batch_tokens=0)
 
 
-def test_greedy_generate_equals_per_prompt_generate(engine):
+@pytest.fixture(params=["transformers", "static"])
+def generate_path(request, engine):
+    """generate() through transformers' generate, then through the StaticBatchGenerator (CUDA's default)."""
+    engine.static_generate = request.param == "static"
+    yield request.param
+    engine.static_generate = False
+
+
+def test_greedy_generate_equals_per_prompt_generate(engine, generate_path):
     prompts = [[1, 17, 300, 4000], [5, 6], [7, 8, 9, 10, 11, 12]]
     got = engine.generate(prompts, max_new_tokens=6)
+    if generate_path == "static" and engine.info.model_type != "deepseek_v3":
+        assert engine._static_gen is not None  # it really ran (MLA targets fall back to transformers)
     model = engine.target.model
     for prompt, out in zip(prompts, got):
         with torch.no_grad():
@@ -172,7 +182,7 @@ def test_greedy_generate_equals_per_prompt_generate(engine):
         assert out == cut_at_eos(ref[0, len(prompt):].tolist(), {2})
 
 
-def test_sampling_is_seeded_and_leaves_global_rng_alone(engine):
+def test_sampling_is_seeded_and_leaves_global_rng_alone(engine, generate_path):
     torch.manual_seed(123)
     before = torch.get_rng_state()
     a = engine.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=7)

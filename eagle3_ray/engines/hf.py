@@ -93,6 +93,10 @@ class HFEngine:
             raise EngineError(f"target.model={target_cfg.model!r} defines no EOS token; generation could not stop")
         self.pad_id: int = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
         self._thread = threading.local()  # each calling thread's capture stream
+        # generate(): on CUDA a static-cache, CUDA-graphed decoder where the model allows one
+        # (engines/static_generate.py); elsewhere transformers' generate. Tests may flip it.
+        self.static_generate: bool = self.target.device.type == "cuda"
+        self._static_gen = None
 
     @property
     def tokenizer(self):
@@ -184,6 +188,13 @@ class HFEngine:
         seqs = [self._as_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         if not seqs:
             return []
+        dev = self.target.device
+        rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+        static = self._static_generator()
+        if static is not None:
+            with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
+                torch.manual_seed(seed)
+                return static.generate([s.tolist() for s in seqs], max_new_tokens, temperature, top_p)
         width = max(len(s) for s in seqs)
         # Left padding: every row's next token is then produced at the same column.
         input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # [B, Tmax]
@@ -202,8 +213,6 @@ class HFEngine:
             pad_token_id=self.pad_id,
             **sampling,
         )
-        dev = self.target.device
-        rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
         # A private RNG stream: the same seed gives the same samples, and callers' RNG state is untouched.
         with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
             torch.manual_seed(seed)
@@ -212,7 +221,29 @@ class HFEngine:
             )  # [B, Tmax + new]
         return [cut_at_eos(row, self.eos_ids) for row in out[:, width:].tolist()]
 
+    def _static_generator(self):
+        """The engine's ``StaticBatchGenerator`` (built once), or None where it is off or unsupported."""
+        if not self.static_generate:
+            return None
+        if self._static_gen is None:
+            from eagle3_ray.engines.static_generate import StaticBatchGenerator, unsupported_reason
+
+            reason = unsupported_reason(self.target.model)
+            if reason:
+                print(f"[generate] transformers generate (no static decoder: {reason})", flush=True)
+                self.static_generate = False
+                return None
+            self._static_gen = StaticBatchGenerator(self.target.model, sorted(self.eos_ids), self.pad_id)
+        return self._static_gen
+
+    def release_generate_state(self) -> None:
+        """Free the static decoder's KV storage and graph (it rebuilds them on the next generate)."""
+        self._static_gen = None
+        if self.target.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
+        self._static_gen = None
         on_cuda = self.target.device.type == "cuda"
         del self.target
         gc.collect()
