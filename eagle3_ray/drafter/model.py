@@ -18,6 +18,8 @@ API used by training (``drafter/ttt.py``) and by speculative decoding (``spec/``
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
@@ -238,10 +240,20 @@ class DrafterAttention(nn.Module):
             # New query j sits at cache index past + j and sees every key up to it.
             keys = torch.arange(past + t, device=x.device)
             mask = (keys[None, :] <= past + torch.arange(t, device=x.device)[:, None])[None, None]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
-        )  # [B, h, T, D]
+        with _decode_backends() if cache is not None and q.is_cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
+            )  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def _decode_backends():
+    """sdpa without the cuDNN backend while drafting: the key length grows every call, and cuDNN
+    builds an execution plan per new shape. On an H200 (torch 2.11) that made each drafter attention
+    cost ~25 ms of host time, 3.6x the whole chain cycle (benchmarks/results/quality_smollm2.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _flex_attention(device: torch.device):
