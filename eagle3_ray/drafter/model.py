@@ -240,17 +240,20 @@ class DrafterAttention(nn.Module):
             # New query j sits at cache index past + j and sees every key up to it.
             keys = torch.arange(past + t, device=x.device)
             mask = (keys[None, :] <= past + torch.arange(t, device=x.device)[:, None])[None, None]
-        with _decode_backends() if cache is not None and q.is_cuda else contextlib.nullcontext():
+        with sdpa_for_growing_keys(q.device) if cache is not None else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
             )  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-def _decode_backends():
-    """sdpa without the cuDNN backend while drafting: the key length grows every call, and cuDNN
-    builds an execution plan per new shape. On an H200 (torch 2.11) that made each drafter attention
-    cost ~25 ms of host time, 3.6x the whole chain cycle (benchmarks/results/quality_smollm2.md)."""
+def sdpa_for_growing_keys(device: torch.device):
+    """sdpa without the cuDNN backend on CUDA (a no-op elsewhere), for decoding whose key length
+    grows every call: cuDNN builds an execution plan per new shape, which on an H200 (torch 2.11)
+    cost ~25 ms of host time per drafter attention (benchmarks/results/README.md, quality section).
+    CUDA-graph replays (fixed shapes) do not pay it and keep torch's choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+from eagle3_ray.drafter.model import sdpa_for_growing_keys
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.sampling import Sampling, make_sampling, pick
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
@@ -60,14 +61,15 @@ class TargetRunner:
         past = self.length
         if positions is None:
             positions = torch.arange(past, past + ids.shape[0], device=self.device)
-        out = self.model(
-            input_ids=ids[None].to(self.device),
-            position_ids=positions[None].to(self.device),
-            attention_mask=None if mask is None else self._additive_mask(mask, past),
-            use_cache=True,
-            output_hidden_states=self.aux_layers or False,  # only these states are kept
-            **{self.cache_kwarg: self.cache},
-        )
+        with sdpa_for_growing_keys(self.device):  # the DynamicCache grows every forward
+            out = self.model(
+                input_ids=ids[None].to(self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask=None if mask is None else self._additive_mask(mask, past),
+                use_cache=True,
+                output_hidden_states=self.aux_layers or False,  # only these states are kept
+                **{self.cache_kwarg: self.cache},
+            )
         aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
         return TargetOut(out.logits[0].float(), aux)
 
