@@ -31,12 +31,26 @@ def log(msg: str) -> None:
 
 
 def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
+    from eagle3_ray.data.chat import render_generation_prompt
     from eagle3_ray.data.distill import self_distill
     from eagle3_ray.data.sources import Sample, read_samples
 
     samples = [s for s in read_samples(prompts_path, max_samples=a.num_prompts) if isinstance(s, Sample)]
-    out = work / "distilled.jsonl"
     t = time.perf_counter()
+    if a.synthetic_prompts:
+        samples += synthetic_prompts(engine, tok, a)
+    # Prompts whose answers would not fit --max-length teach nothing (training truncates them away).
+    n = len(samples)
+    samples = [s for s in samples if len(render_generation_prompt(tok, s.messages)) +
+               a.max_new_tokens * sum(m["role"] == "user" for m in s.messages) <= a.max_length]
+    log(f"{len(samples)} prompts to answer ({n - len(samples)} too long for --max-length {a.max_length})")
+    # Similar lengths batch together (less padding; the static decoder keeps one graph longer), within
+    # windows of a shuffled order, so a time budget that stops early still leaves the whole mix.
+    random.Random(0).shuffle(samples)
+    window = 8 * a.gen_batch
+    samples = [s for w in range(0, len(samples), window)
+               for s in sorted(samples[w : w + window], key=lambda s: sum(len(m["content"]) for m in s.messages))]
+    out = work / "distilled.jsonl"
     chunk = 4 * a.gen_batch
     for start in range(0, len(samples), chunk):  # self_distill appends and resumes: stop between chunks
         if time.perf_counter() - t > a.distill_seconds:
@@ -45,7 +59,8 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
         self_distill(engine, tok, samples[start : start + chunk], out, max_new_tokens=a.max_new_tokens,
                      batch_size=a.gen_batch)
     done = [s for s in read_samples(out) if isinstance(s, Sample)]
-    log(f"self-distilled {len(done)} prompts in {time.perf_counter() - t:.0f}s")
+    log(f"self-distilled {len(done)} prompts in {time.perf_counter() - t:.0f}s "
+        f"({len(done) / (time.perf_counter() - t):.1f} samples/s)")
     # More data from the same prompts: sampled answers (temperature > 0) are other trajectories of
     # the same target; the drafter still learns the target's distribution at every position.
     extra_out = work / "distilled_sampled.jsonl"
@@ -64,17 +79,45 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
         extra = [s for s in read_samples(extra_out) if isinstance(s, Sample)]
         log(f"+ {len(extra)} sampled answers (temperature {a.sample_temperature}) in {time.perf_counter() - t:.0f}s")
         done += extra
+    if hasattr(engine, "release_generate_state"):
+        engine.release_generate_state()  # its KV storage is not needed for capture and training
     return done
+
+
+def synthetic_prompts(engine, tok, a) -> list:
+    """Magpie-style prompts: the target writes user turns itself, sampled from the chat template's
+    user header (the system prompt the template adds by default, then the user role)."""
+    from eagle3_ray.data.sources import Sample
+
+    marker = "\ue000"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    ids = tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+    t, out, seen, call = time.perf_counter(), [], set(), 0
+    while len(out) < a.synthetic_prompts and time.perf_counter() - t < a.synthetic_seconds:
+        answers = engine.generate([ids] * a.gen_batch, 160, temperature=1.0, top_p=0.98, seed=10_000 + call)
+        call += 1
+        for new in answers:
+            if not new or new[-1] not in engine.eos_ids:  # the user turn never ended
+                continue
+            q = tok.decode(new, skip_special_tokens=True).strip()
+            if len(q.split()) < 4 or q in seen:
+                continue
+            seen.add(q)
+            out.append(Sample(f"magpie-{len(out):06d}", [{"role": "user", "content": q}], "synthetic"))
+    log(f"{len(out)} synthetic prompts from {call * a.gen_batch} samples in {time.perf_counter() - t:.0f}s; "
+        f"e.g. {[s.messages[0]['content'][:80] for s in out[:3]]}")
+    return out[: a.synthetic_prompts]
 
 
 def featurize(engine, tok, convs, a):
     from eagle3_ray.data.chat import tokenize_conversation
     from eagle3_ray.errors import SampleRejected
 
-    toks = []
+    toks, groups = [], []
     for s in convs:
         try:
             toks.append(tokenize_conversation(tok, s, a.max_length, truncate=True))
+            groups.append(s.sample_id.split("#")[0])  # sampled answers share their prompt's group
         except SampleRejected:
             pass
     t = time.perf_counter()
@@ -82,8 +125,9 @@ def featurize(engine, tok, convs, a):
     for start in range(0, len(toks), 256):
         chunk = toks[start : start + 256]
         caps = engine.capture([c.input_ids for c in chunk])
-        for c, cap in zip(chunk, caps):
+        for c, g, cap in zip(chunk, groups[start : start + 256], caps):
             records.append({
+                "group": g,
                 "input_ids": torch.tensor(c.input_ids), "loss_mask": torch.tensor(c.loss_mask, dtype=torch.uint8),
                 # Kept on the training device: no host-to-device copy per training step.
                 "aux_hidden": cap.aux_hidden.to(device=dev, dtype=torch.bfloat16),
@@ -113,6 +157,12 @@ def train(engine, records, a, device):
     lm_head = model.get_output_embeddings().weight.detach()  # target dtype: fp32 logits in TF32 (exact)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
+    # Held out: every answer of a few prompts (simulated tau on them shows over-fitting as it happens).
+    groups = sorted({r["group"] for r in records})
+    val_groups = set(random.Random(0).sample(groups, min(a.val_samples, len(groups) // 10)))
+    val = [r for r in records if r["group"] in val_groups]
+    records = [r for r in records if r["group"] not in val_groups]
+    val_packs = plan(np.array([r["input_ids"].numel() for r in val]), a.batch_tokens, 1, seed=0)
     lengths = np.array([r["input_ids"].numel() for r in records])
     packs = plan(lengths, a.batch_tokens, a.epochs, seed=0)
     # The cosine runs over the steps the time budget allows, re-estimated once the speed is known.
@@ -128,7 +178,7 @@ def train(engine, records, a, device):
         if elapsed > a.train_seconds:
             log(f"training time budget reached at step {step}/{len(packs)}")
             break
-        if step == 40:
+        if step in (40, 200):  # re-estimated once the first steps' start-up costs are amortised
             horizon[0] = min(len(packs), int(step * a.train_seconds / elapsed))
             log(f"schedule: {horizon[0]} steps fit the {a.train_seconds:.0f}s budget")
         batch = {k: v.to(device) for k, v in collate([records[i] for i in pack.samples]).items()}
@@ -143,12 +193,36 @@ def train(engine, records, a, device):
             m = out.metrics
             hist.append({"step": step, "loss": m["loss"], "tau": m["tau"], "acc_0": m["acc_0"],
                          "epoch": pack.epoch, "lr": sched.get_last_lr()[0]})
+            if step % 250 == 0 and val_packs:
+                hist[-1].update(_validate(drafter, val, val_packs, lm_head, a, attention, device))
             log(f"step {step}/{horizon[0]} ep {pack.epoch} loss {m['loss']:.3f} acc0 {m['acc_0']:.3f} "
-                f"tau {m['tau']:.2f} {tokens / (time.perf_counter() - t0):,.0f} tok/s ({attention})")
+                f"tau {m['tau']:.2f} {tokens / (time.perf_counter() - t0):,.0f} tok/s ({attention})"
+                + (f"; held out: tau {hist[-1]['val_tau']:.2f} acc0 {hist[-1]['val_acc_0']:.3f}"
+                   if "val_tau" in hist[-1] else ""))
     seconds = time.perf_counter() - t0
+    final = _validate(drafter, val, val_packs, lm_head, a, attention, device) if val_packs else {}
+    log(f"held out ({len(val)} conversations of {len(val_groups)} prompts): {final}")
     return drafter.eval(), hist, {"steps": step + 1, "seconds": seconds, "tokens_per_s": tokens / seconds,
                                    "epochs_seen": packs[step].epoch + 1, "attention": attention,
-                                   "coverage": vocab_coverage(counts, t2d)}
+                                   "coverage": vocab_coverage(counts, t2d), "train_samples": len(records),
+                                   "train_tokens": int(lengths.sum()), "held_out": final}
+
+
+def _validate(drafter, val, val_packs, lm_head, a, attention, device) -> dict:
+    """Token-weighted simulated tau / acc_0 of the TTT unroll on the held-out conversations."""
+    from eagle3_ray.train.packing import collate
+
+    sums, weight = {"val_tau": 0.0, "val_acc_0": 0.0, "val_loss": 0.0}, 0
+    drafter.eval()
+    with torch.no_grad():
+        for pack in val_packs:
+            batch = {k: v.to(device) for k, v in collate([val[i] for i in pack.samples]).items()}
+            m = _ttt(drafter, batch, lm_head, a, attention)[0].metrics
+            for k in sums:
+                sums[k] += m[k.removeprefix("val_")] * pack.tokens
+            weight += pack.tokens
+    drafter.train()
+    return {k: v / max(weight, 1) for k, v in sums.items()}
 
 
 def _ttt(drafter, batch, lm_head, a, attention):
@@ -181,8 +255,12 @@ def hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
     dev = model.get_input_embeddings().weight.device
     eos = model.generation_config.eos_token_id
     clock = Stopwatch(dev)
-    out = model.generate(ids[None].to(dev), attention_mask=torch.ones_like(ids)[None].to(dev), max_new_tokens=n,
-                         do_sample=False, top_p=None, top_k=None, temperature=None, repetition_penalty=1.0)
+    # The baseline at its best: without cuDNN's per-shape sdpa plans (the key length grows every step).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = model.generate(ids[None].to(dev), attention_mask=torch.ones_like(ids)[None].to(dev), max_new_tokens=n,
+                             do_sample=False, top_p=None, top_k=None, temperature=None, repetition_penalty=1.0)
     seconds = clock.seconds()
     tokens = out[0, ids.shape[0]:].tolist()
     eos = {eos} if isinstance(eos, int) else set(eos or [])
@@ -224,6 +302,10 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
         for m in modes:
             run(m, warm)
     log(f"warm-up and graph capture {time.perf_counter() - t:.1f}s, graphs for widths {static.captured}")
+    if a.profile and sets:
+        _profile(lambda ids: hf_generate(model, ids, a.eval_new_tokens), lambda ids: run("chain", ids),
+                 torch.tensor(render_generation_prompt(tok, [{"role": "user", "content": next(iter(sets.values()))[0][0]}])),
+                 Path(a.out).with_suffix(".prof.txt"))
     results, eager_left = {}, a.eager_turns
     shares = {"mt_bench": 0.4}  # MT-bench is the headline set; the others share the rest
     rest = (1 - shares["mt_bench"]) / max(1, len([n for n in sets if n != "mt_bench"]))
@@ -279,6 +361,25 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
     return results
 
 
+def _profile(hf, chain, ids, path: Path) -> None:
+    """cProfile of one HF generate and one chain generation of the same turn (where the time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for name, fn in (("hf_generate", hf), ("chain_static", chain)):
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        fn(ids)
+        prof.disable()
+        text.write(f"=== {name}: {time.perf_counter() - t:.3f}s wall\n")
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
+    path.write_text(text.getvalue())
+    log(f"profile written: {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True)
@@ -299,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--row-tokens", type=int, default=2048, help="sdpa: attention rows of whole samples")
     ap.add_argument("--samples-per-prompt", type=int, default=1, help="1 greedy answer + N-1 sampled ones")
     ap.add_argument("--sample-temperature", type=float, default=0.7)
+    ap.add_argument("--synthetic-prompts", type=int, default=0, help="Magpie-style prompts the target writes")
+    ap.add_argument("--synthetic-seconds", type=float, default=60)
+    ap.add_argument("--val-samples", type=int, default=256, help="conversations held out of training")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=int, default=50)
@@ -315,7 +419,16 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seconds", type=float, default=300)
     ap.add_argument("--eager-turns", type=int, default=2, help="turns also decoded without the StaticTarget")
     ap.add_argument("--no-graphs", action="store_true", help="StaticTarget without CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="cProfile one HF generate and one chain turn")
+    ap.add_argument("--static-generate", choices=("auto", "on", "off"), default="auto",
+                    help="self-distil through StaticBatchGenerator (auto: on CUDA)")
+    ap.add_argument("--sdpa-backends", default=None,
+                    help="comma list of torch sdpa backends to allow (flash,efficient,math,cudnn); default: torch's")
     a = ap.parse_args(argv)
+    if a.sdpa_backends:
+        allowed = set(a.sdpa_backends.split(","))
+        for name in ("flash", "efficient", "math", "cudnn"):
+            getattr(torch.backends.cuda, f"enable_{'mem_efficient' if name == 'efficient' else name}_sdp")(name in allowed)
 
     from eagle3_ray.config import TargetConfig
     from eagle3_ray.engines.hf import HFEngine
@@ -328,6 +441,8 @@ def main(argv=None) -> int:
                        cache_dir=str(work / "cache"))
     engine = HFEngine(cfg, batch_tokens=65536)
     tok, model, device = engine.tokenizer, engine.target.model, engine.target.device
+    if a.static_generate != "auto":
+        engine.static_generate = a.static_generate == "on"
     log(f"target loaded ({time.perf_counter() - t0:.0f}s), aux layers {engine.info.aux_layers}")
     summary = {
         "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
