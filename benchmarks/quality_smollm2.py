@@ -51,6 +51,8 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
     samples = [s for w in range(0, len(samples), window)
                for s in sorted(samples[w : w + window], key=lambda s: sum(len(m["content"]) for m in s.messages))]
     out = work / "distilled.jsonl"
+    n_before = sum(isinstance(s, Sample) for s in read_samples(out)) if out.exists() else 0
+    t_answers = time.perf_counter()
     chunk = 4 * a.gen_batch
     for start in range(0, len(samples), chunk):  # self_distill appends and resumes: stop between chunks
         if time.perf_counter() - t > a.distill_seconds:
@@ -59,8 +61,9 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
         self_distill(engine, tok, samples[start : start + chunk], out, max_new_tokens=a.max_new_tokens,
                      batch_size=a.gen_batch)
     done = [s for s in read_samples(out) if isinstance(s, Sample)]
-    log(f"self-distilled {len(done)} prompts in {time.perf_counter() - t:.0f}s "
-        f"({len(done) / (time.perf_counter() - t):.1f} samples/s)")
+    log(f"self-distilled {len(done)} prompts ({len(done) - n_before} in this run) in "
+        f"{time.perf_counter() - t_answers:.0f}s after the synthetic prompts "
+        f"({(len(done) - n_before) / (time.perf_counter() - t_answers):.1f} answers/s)")
     # More data from the same prompts: sampled answers (temperature > 0) are other trajectories of
     # the same target; the drafter still learns the target's distribution at every position.
     extra_out = work / "distilled_sampled.jsonl"
@@ -387,7 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-dir", required=True)
     ap.add_argument("--out", required=True, help="JSON written here (the drafter export goes next to it)")
     ap.add_argument("--work", default="/tmp/quality", help="keeps the drafter between --phase train and eval")
-    ap.add_argument("--phase", choices=("all", "train", "eval"), default="all")
+    ap.add_argument("--phase", choices=("all", "distill", "train", "eval"), default="all",
+                    help="distill: answers only (kept under --work; a later train phase with "
+                    "--distill-seconds 0 --synthetic-prompts 0 reuses them and trains for its whole call)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds this process may run (all phases)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--num-prompts", type=int, default=4000)
@@ -455,6 +460,11 @@ def main(argv=None) -> int:
         summary.update(kw, seconds=time.perf_counter() - t0)
         out.write_text(json.dumps(summary, indent=2))
 
+    if a.phase == "distill":
+        a.distill_seconds = min(a.distill_seconds, left() - 10)
+        convs = distill(engine, tok, Path(a.prompts), work, a)
+        write(train_prompts=len(convs))
+        return 0
     if a.phase in ("all", "train"):
         drafter = train_phase(engine, a, work, out.parent, left, write)
     else:
