@@ -130,12 +130,19 @@ def _dispatch(args) -> int:
         print(f"[export] drafter for {args.engine} -> {path}")
         return 0
     cfg = _load(args)
-    if cmd == "run":
+    if cmd == "run":  # run_pipeline holds the output lock itself
         from eagle3_ray.pipeline import run_pipeline
 
         _ray(cfg)
         run_pipeline(cfg, data=args.data, out=args.out or f"runs/{cfg.name}", stop_after=args.stop_after)
         return 0
+    from eagle3_ray.out_lock import out_lock
+
+    with out_lock(args.out, cmd):  # before Ray starts: a second writer is refused at once
+        return _stage_command(cmd, cfg, args)
+
+
+def _stage_command(cmd: str, cfg, args) -> int:
     _ray(cfg)
     if cmd == "prepare":
         from eagle3_ray.extract.pipeline import run_prepare

@@ -35,3 +35,7 @@ class CheckpointError(Eagle3Error):
 
 class EngineError(Eagle3Error):
     """A capture/generation engine setting is invalid or the engine returned inconsistent data."""
+
+
+class OutputInUse(Eagle3Error):
+    """Another eagle3-ray process is writing the same output directory."""

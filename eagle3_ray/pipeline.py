@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
+from eagle3_ray.out_lock import out_lock
 
 DONE = "_DONE.json"
 
@@ -95,7 +96,11 @@ def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path,
     """Run (or resume) every stage; `stop_after` ends the run after that stage (one of STAGE_DEPS)."""
     t0 = time.monotonic()
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    with out_lock(out, "run"):
+        return _locked_run(cfg, data, out, stop_after, t0)
+
+
+def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: str | None, t0: float):
     save_resolved(cfg, out)
     stages = StageRunner(cfg, out, data, stop_after)
     try:
