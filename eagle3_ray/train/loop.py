@@ -8,6 +8,7 @@ config; bf16 on GPU, fp32 + gloo on CPU). Features arrive as packed micro-batche
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
         ck.check_identity(state.get("identity", {}), job.identity, d)
         engine.load_checkpoint(str(d), tag=ck.DS_TAG)
         consumed = ck.consumed_packs(d)
-    print(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)", flush=True)
+    _say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
     return int(state["step"]), consumed
 
 
@@ -245,9 +246,9 @@ def train_func(job_dict: dict[str, Any]) -> None:
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(m) + "\n")
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
-                print(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
-                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
-                      f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s", flush=True)
+                _say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
+                     f"(served {m['tau_served']:.2f}) acc [{accs}] "
+                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s")
             window, window_n, tokens, t0 = {}, 0, 0, time.monotonic()
             if step % t["checkpoint_every"] and step != max_steps:
                 ray.train.report({k: v for k, v in m.items()})
@@ -256,3 +257,11 @@ def train_func(job_dict: dict[str, Any]) -> None:
             saved_step = step
     if step != saved_step:  # the data ran out between checkpoints: keep the final state
         _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
+
+
+def _say(line: str) -> None:
+    """One progress line on the worker's stdout. Not ``print``: Ray Train V2 patches ``print`` on
+    its workers to log the line *and* echo it to a redirected stdout, so each line reached the
+    driver twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
