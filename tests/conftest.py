@@ -9,6 +9,11 @@ import pytest
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Train's controller polls its workers every 2 s by default, and a worker's ray.train.report()
+# blocks until that poll takes the previous report (a queue of one): with a report per logged step,
+# tiny test runs spent ~2 s per step and ~2 s more noticing the end. Set before any Ray starts, so
+# the session's Ray, the test heads and the CLI subprocesses all inherit it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 @pytest.fixture(scope="session")
