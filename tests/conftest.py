@@ -28,15 +28,25 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def ci_tiny_inputs(ray_local, tmp_path_factory):
+def ci_tiny_prepared(ray_local, tmp_path_factory):
+    """(directory, PrepareSummary) of ci-tiny's builtin data through the real prepare stage, built once
+    (read only: a test that changes a stage's output works on a copy)."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.extract.pipeline import run_prepare
+
+    out = tmp_path_factory.mktemp("train_inputs") / "prepare"
+    return out, run_prepare(load_config("configs/ci-tiny.yaml"), None, out)
+
+
+@pytest.fixture(scope="session")
+def ci_tiny_inputs(ci_tiny_prepared):
     """ci-tiny prepared data, features and vocab map, built once through the real stages (read only)."""
     from eagle3_ray.config import load_config
-    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.pipeline import run_extract
     from eagle3_ray.extract.vocab_stage import run_vocab
 
     cfg = load_config("configs/ci-tiny.yaml")
-    root = tmp_path_factory.mktemp("train_inputs")
-    run_prepare(cfg, None, root / "prepare")
+    root = ci_tiny_prepared[0].parent
     run_extract(cfg, root / "prepare", root / "features")
     run_vocab(cfg, root / "features", root / "vocab")
     return root
@@ -81,3 +91,4 @@ def tiny_llama_config():
         eos_token_id=2,
         pad_token_id=2,
     )
+

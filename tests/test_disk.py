@@ -147,12 +147,9 @@ def tmpfs(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def prepared(ray_local, tmp_path_factory):
-    from eagle3_ray.extract.pipeline import run_prepare
-
-    out = tmp_path_factory.mktemp("prepare")
-    run_prepare(load_config(CI_CONFIG), None, out)
-    return out
+def prepared(ci_tiny_prepared):
+    """The session's run_prepare of ci-tiny (read only)."""
+    return ci_tiny_prepared[0]
 
 
 def test_extract_preflight_refuses_a_store_larger_than_the_disk(prepared, tmpfs):

@@ -9,15 +9,15 @@ from eagle3_ray.config import load_config
 CI_CONFIG = "configs/ci-tiny.yaml"
 
 
-def test_two_engine_actors_capture_every_sample_exactly_once(ray_local, tmp_path):
+def test_two_engine_actors_capture_every_sample_exactly_once(ci_tiny_prepared, tmp_path):
     import pyarrow.parquet as pq
 
-    from eagle3_ray.extract.pipeline import run_extract, run_prepare
+    from eagle3_ray.extract.pipeline import run_extract
     from eagle3_ray.features import open_store
     from eagle3_ray.features.store import manifest
 
     cfg = load_config(CI_CONFIG, ["extract.num_actors=1", "extract.max_actors=2", "extract.batch_tokens=256"])
-    prepared = run_prepare(cfg, None, tmp_path / "prepare").prepared
+    prepared = ci_tiny_prepared[1].prepared  # prepare does not read the extract section changed here
     cfg.extract.num_actors = 2  # both actors up from the start: the pool's upper bound in use
     summary = run_extract(cfg, prepared, tmp_path / "features")
     want = sorted(pq.read_table(prepared).column("sample_id").to_pylist())

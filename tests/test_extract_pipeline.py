@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -20,21 +21,20 @@ def cfg():
 
 
 @pytest.fixture(scope="module")
-def prepared(ray_local, cfg, tmp_path_factory):
-    from eagle3_ray.extract.pipeline import run_prepare
+def prepared(ci_tiny_prepared):
+    """(directory, PrepareSummary): the session's run_prepare of ci-tiny (the same config as `cfg`)."""
+    return ci_tiny_prepared
 
-    out = tmp_path_factory.mktemp("prepare")
-    summary = run_prepare(cfg, None, out)
-    return out, summary
+
+def _copy_of_session_store(ci_tiny_inputs, dest):
+    """This module's own copy of the session's ci-tiny store (run_extract of `cfg` on `prepared`):
+    the tests below rerun, append to or damage it."""
+    return shutil.copytree(ci_tiny_inputs / "features", dest)
 
 
 @pytest.fixture(scope="module")
-def store_dir(prepared, cfg, tmp_path_factory):
-    from eagle3_ray.extract.pipeline import run_extract
-
-    out = tmp_path_factory.mktemp("features")
-    run_extract(cfg, prepared[0], out)
-    return out
+def store_dir(ci_tiny_inputs, tmp_path_factory):
+    return _copy_of_session_store(ci_tiny_inputs, tmp_path_factory.mktemp("features") / "store")
 
 
 def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
@@ -98,13 +98,12 @@ def test_extract_rerun_skips_completed_samples(store_dir, prepared, cfg):
     assert len(open_store(store_dir)) == 12 and not open_store(store_dir).duplicate_ids
 
 
-def test_extract_resumes_after_losing_a_shard(prepared, cfg, tmp_path):
+def test_extract_resumes_after_losing_a_shard(ci_tiny_inputs, prepared, cfg, tmp_path):
     """A run stopped midway (simulated by deleting a committed shard) completes only what is missing."""
     from eagle3_ray.extract.pipeline import run_extract
     from eagle3_ray.features import open_store
 
-    out = tmp_path / "features"
-    run_extract(cfg, prepared[0], out)
+    out = _copy_of_session_store(ci_tiny_inputs, tmp_path / "features")  # a completed run_extract
     shards = sorted((out / "shards").glob("*.safetensors"))
     assert len(shards) >= 2, "ci-tiny's shard_max_bytes should split the store"
     victim = shards[0]

@@ -12,12 +12,9 @@ CI_CONFIG = "configs/ci-tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def prepared(ray_local, tmp_path_factory):
-    from eagle3_ray.extract.pipeline import run_prepare
-
-    out = tmp_path_factory.mktemp("online_prepare")
-    run_prepare(load_config(CI_CONFIG), None, out)
-    return out
+def prepared(ci_tiny_prepared):
+    """The session's run_prepare of ci-tiny (read only)."""
+    return ci_tiny_prepared[0]
 
 
 @pytest.fixture(scope="module")
