@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -30,14 +31,30 @@ def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
     assert all(p.tokens <= 512 for p in packs)
 
 
-def test_train_checkpoints_resumes_and_exports(ci_tiny_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def trained_4_steps(ci_tiny_inputs, tmp_path_factory):
+    """(out, final checkpoint name) of one 4-step ci-tiny training; tests work on copies of `out`."""
+    from eagle3_ray.train.trainer import run_training
+
+    out = tmp_path_factory.mktemp("trained_4_steps") / "train"
+    cfg = load_config(CI_CONFIG, ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1"])
+    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
+    return out, ckpt.relative_to(out)
+
+
+def _copy_run(trained, dest):
+    """A copy of a finished training --out (a rerun there resumes from its checkpoint): (out, ckpt)."""
+    out, ckpt = trained
+    return shutil.copytree(out, dest), dest / ckpt
+
+
+def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, tmp_path):
     from eagle3_ray.drafter import load_drafter
     from eagle3_ray.train.checkpoint import consumed_packs, export_from_training, latest_checkpoint, read_train_state
     from eagle3_ray.train.trainer import run_training
 
-    out = tmp_path / "train"
-    cfg = load_config(CI_CONFIG, ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1"])
-    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
+    out, ckpt = _copy_run(trained_4_steps, tmp_path / "train")
+    assert latest_checkpoint(out) == ckpt
     state = read_train_state(ckpt)
     assert state["step"] == 4
     assert (ckpt / "ds").is_dir() and (ckpt / "drafter.safetensors").is_file()
@@ -64,11 +81,10 @@ def test_train_checkpoints_resumes_and_exports(ci_tiny_inputs, tmp_path):
     assert torch.equal(drafter.fc.weight.float(), trained["fc.weight"].to(torch.bfloat16).float())
 
 
-def test_resume_refuses_a_checkpoint_from_another_config(ci_tiny_inputs, tmp_path):
+def test_resume_refuses_a_checkpoint_from_another_config(trained_4_steps, ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.trainer import run_training
 
-    out = tmp_path / "train"
-    run_training(load_config(CI_CONFIG, ["train.max_steps=1"]), ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
+    out, _ = _copy_run(trained_4_steps, tmp_path / "train")  # a checkpoint of ci-tiny's own config
     other = load_config(CI_CONFIG, ["train.max_steps=2", "train.batch_tokens=300"])
     with pytest.raises(CheckpointError, match="batch_tokens"):
         run_training(other, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
