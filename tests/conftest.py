@@ -92,3 +92,44 @@ def tiny_llama_config():
         pad_token_id=2,
     )
 
+
+# ---------------------------------------------------------------- a local head of the tests' own
+
+_HEAD_FIXTURE = "local_head"
+_head: dict = {}
+
+
+@pytest.fixture
+def local_head():
+    """A local head started by cluster/local-head.sh (free ports, its own token; test_jobs.py), shared
+    by the job test and the metrics test: one start and one stop instead of one per test. It is
+    stopped after the last test that uses it (pytest_runtest_teardown below), not left idle for the
+    rest of the session."""
+    from test_jobs import start_local_head
+
+    if "env" not in _head:
+        _head["env"] = start_local_head()
+    return _head["env"]
+
+
+@pytest.fixture
+def submitted_pipeline_job(local_head, tmp_path_factory):
+    """ci-tiny's pipeline (prepare .. train) submitted once with `ray job submit` to `local_head`."""
+    from test_jobs import submit_pipeline_job
+
+    if "job" not in _head:
+        _head["job"] = submit_pipeline_job(local_head, tmp_path_factory.mktemp("pipeline_job") / "run")
+    return _head["job"]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "env" not in _head:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else []
+    if not any(_HEAD_FIXTURE in getattr(i, "fixturenames", ()) for i in later):
+        from test_jobs import stop_local_head
+
+        env = _head["env"]
+        _head.clear()
+        stop_local_head(env)

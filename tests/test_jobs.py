@@ -1,7 +1,8 @@
 """`ray job submit` of jobs/pipeline.py to a real local head started by cluster/local-head.sh.
 
-The cluster is this module's own (free ports, its own temp dir, its own auth token), not the shared
-`ray_local`; it is stopped by the pid of its `ray start --block`, never by `ray stop`.
+The cluster is the tests' own (free ports, its own temp dir, its own auth token), not the shared
+`ray_local`; it is stopped by the pid of its `ray start --block`, never by `ray stop`. The job runs
+once (conftest.py's `submitted_pipeline_job`): test_metrics.py scrapes the same head afterwards.
 """
 
 from __future__ import annotations
@@ -83,31 +84,27 @@ def wait_for_job(env: dict, job_id: str, timeout: float = JOB_TIMEOUT_S) -> str:
         status = job_status(env, job_id)
         if status in ("SUCCEEDED", "FAILED", "STOPPED"):
             return status
-        time.sleep(3)
+        time.sleep(0.5)  # a REST call to the local head: cheap
     ray_cli(env, "job", "stop", "--address", env["RAY_JOB_API"], job_id)
     return "TIMEOUT"
 
 
-@pytest.fixture(scope="module")
-def head():
-    env = start_local_head()
-    try:
-        yield env
-    finally:
-        stop_local_head(env)
-
-
-def test_submitted_pipeline_job_prepares_extracts_and_trains(head, tmp_path):
-    out = tmp_path / "run"
+def submit_pipeline_job(env: dict, out: Path) -> dict:
+    """`ray job submit` ci-tiny's pipeline up to training; waits. What the tests check: status, logs, out."""
     job_id = f"eagle3-ci-{secrets.token_hex(4)}"
     ray_cli(
-        head, "job", "submit", "--address", head["RAY_JOB_API"], "--submission-id", job_id, "--no-wait",
+        env, "job", "submit", "--address", env["RAY_JOB_API"], "--submission-id", job_id, "--no-wait",
         "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "cluster/runtime_env.yaml"), "--",
         "python", "jobs/pipeline.py", "-c", "configs/ci-tiny.yaml", "--out", str(out), "--stop-after", "train",
         "train.max_steps=2", "train.checkpoint_every=2",
     )
-    final = wait_for_job(head, job_id)
-    logs = ray_cli(head, "job", "logs", "--address", head["RAY_JOB_API"], job_id)
+    final = wait_for_job(env, job_id)
+    logs = ray_cli(env, "job", "logs", "--address", env["RAY_JOB_API"], job_id)
+    return {"env": env, "job_id": job_id, "status": final, "logs": logs, "out": out}
+
+
+def test_submitted_pipeline_job_prepares_extracts_and_trains(submitted_pipeline_job):
+    out, final, logs = (submitted_pipeline_job[k] for k in ("out", "status", "logs"))
     assert final == "SUCCEEDED", logs[-4000:]
 
     for stage in ("prepare", "extract", "vocab", "train"):

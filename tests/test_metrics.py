@@ -11,10 +11,9 @@ import urllib.request
 from pathlib import Path
 
 
-from test_jobs import start_local_head, stop_local_head
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRAPE_TIMEOUT_S = 90
+RUN = "ci-metrics"  # the config `name`, i.e. the `run` tag of this test's series
 SERIES = re.compile(r'^(?P<name>ray_eagle3_\w+)\{(?P<tags>[^}]*)\} (?P<value>\S+)$', re.M)
 
 
@@ -45,33 +44,30 @@ def test_metrics_record_in_ray_only():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_extraction_metrics_reach_the_prometheus_endpoint(tmp_path):
-    env = start_local_head()
-    try:
-        out = tmp_path / "features"
-        proc = subprocess.run(
-            ["python", "jobs/extract.py", "-c", "configs/ci-tiny.yaml", "--out", str(out)],
-            cwd=ROOT, env={**env, "RAY_ADDRESS": env["RAY_GCS"]}, capture_output=True, text=True, timeout=400,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        summary = json.loads((out / "summary.json").read_text())
-        port = int(env["RAY_METRICS_PORT"])
-        run = {"run": "ci-tiny"}
-        deadline = time.monotonic() + SCRAPE_TIMEOUT_S
-        while True:
-            series = scrape(port)
-            if total(series, "ray_eagle3_samples_total", stage="store", **run) >= summary["samples"]:
-                break
-            assert time.monotonic() < deadline, f"metrics never showed up: {sorted({s[0] for s in series})}"
-            time.sleep(3)
-        assert total(series, "ray_eagle3_samples_total", stage="prepare", **run) == 12
-        assert total(series, "ray_eagle3_samples_total", stage="capture", **run) == 12
-        assert total(series, "ray_eagle3_samples_total", stage="store", **run) == summary["samples"] == 12
-        assert total(series, "ray_eagle3_tokens_total", stage="store", **run) == summary["tokens"]
-        assert total(series, "ray_eagle3_bytes_written_total", stage="store", **run) == summary["bytes_written"]
-        assert total(series, "ray_eagle3_rejects_total", **run) == 0
-        rates = [v for n, t, v in series if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == "ci-tiny"]
-        assert rates and all(v > 0 for v in rates)
-    finally:
-        stop_local_head(env)
+def test_extraction_metrics_reach_the_prometheus_endpoint(local_head, tmp_path):
+    env = local_head  # shared with test_jobs.py: this run's own `run` tag keeps its series apart
+    out = tmp_path / "features"
+    proc = subprocess.run(
+        ["python", "jobs/extract.py", "-c", "configs/ci-tiny.yaml", "--out", str(out), f"name={RUN}"],
+        cwd=ROOT, env={**env, "RAY_ADDRESS": env["RAY_GCS"]}, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    port = int(env["RAY_METRICS_PORT"])
+    run = {"run": RUN}
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    while True:
+        series = scrape(port)
+        if total(series, "ray_eagle3_samples_total", stage="store", **run) >= summary["samples"]:
+            break
+        assert time.monotonic() < deadline, f"metrics never showed up: {sorted({s[0] for s in series})}"
+        time.sleep(0.5)  # a gauge of an ended actor ages out of the endpoint ~20 s after its last export
+    assert total(series, "ray_eagle3_samples_total", stage="prepare", **run) == 12
+    assert total(series, "ray_eagle3_samples_total", stage="capture", **run) == 12
+    assert total(series, "ray_eagle3_samples_total", stage="store", **run) == summary["samples"] == 12
+    assert total(series, "ray_eagle3_tokens_total", stage="store", **run) == summary["tokens"]
+    assert total(series, "ray_eagle3_bytes_written_total", stage="store", **run) == summary["bytes_written"]
+    assert total(series, "ray_eagle3_rejects_total", **run) == 0
+    rates = [v for n, t, v in series if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == RUN]
+    assert rates and all(v > 0 for v in rates)
 
