@@ -237,9 +237,12 @@ def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ray_local
     overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
     first = _start_run(out, tmp_path / "first.log", *overrides)
     try:
-        _wait_for("the first training checkpoint",
-                  lambda: list((out / "train").glob("**/train_state.json")) if (out / "train").is_dir() else None,
-                  lambda: first.poll() is None, poll_s=0.2)
+        # A step logged after the first checkpoint: its report returned, so Ray Train finished copying
+        # it to storage. (Stopping as soon as train_state.json shows up could land mid-copy and leave
+        # a newest checkpoint with truncated DeepSpeed files, which the rerun cannot load.)
+        _wait_for("a step past the first training checkpoint",
+                  lambda: any(m["step"] > 4 for m in _metrics(out / "train")),
+                  lambda: first.poll() is None, poll_s=0.1)
         shards_before = sorted(p.name for p in (out / "features" / "shards").iterdir())
     finally:
         _stop_hard(first)
