@@ -128,8 +128,18 @@ def pytest_runtest_teardown(item, nextitem):
     items = item.session.items
     later = items[items.index(item) + 1:] if item in items else []
     if not any(_HEAD_FIXTURE in getattr(i, "fixturenames", ()) for i in later):
-        from test_jobs import stop_local_head
+        _stop_head()
 
-        env = _head["env"]
-        _head.clear()
-        stop_local_head(env)
+
+def pytest_sessionfinish(session, exitstatus):
+    """An interrupted session (Ctrl-C, -x) may end before that teardown: stop the head here then."""
+    if "env" in _head:
+        _stop_head()
+
+
+def _stop_head() -> None:
+    from test_jobs import stop_local_head
+
+    env = _head["env"]
+    _head.clear()
+    stop_local_head(env)
