@@ -12,6 +12,8 @@ runs wrote. Exported drafters and drafter weights are safetensors only.
 from __future__ import annotations
 
 import json
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +62,79 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any], ckpt: Path) -
         )
 
 
-def latest_checkpoint(train_out: Path) -> Path | None:
-    """Newest complete checkpoint under a `train --out` directory (or the dir itself if it is one)."""
+def latest_checkpoint(train_out: Path, complete_only: bool = False) -> Path | None:
+    """Newest checkpoint under a `train --out` directory (or the dir itself if it is one).
+
+    ``complete_only``: skip (and say so) checkpoints with missing or truncated files, as a job killed
+    while Ray Train copied a checkpoint to storage leaves them; resuming takes the newest whole one.
+    """
     train_out = Path(train_out)
     if (train_out / TRAIN_STATE).is_file():
-        return train_out
-    cands = [p.parent for p in train_out.glob("**/" + TRAIN_STATE)]
+        cands = [train_out]
+    else:
+        cands = [p.parent for p in train_out.glob("**/" + TRAIN_STATE)]
+    if complete_only:
+        whole = []
+        for c in cands:
+            reason = incomplete_reason(c)
+            if reason:
+                print(f"[train] skipping incomplete checkpoint {c}: {reason}", flush=True)
+            else:
+                whole.append(c)
+        cands = whole
     if not cands:
         return None
     return max(cands, key=lambda p: read_train_state(p).get("step", -1))
+
+
+def incomplete_reason(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (None = every file is there and whole).
+
+    Ray Train registers a checkpoint only after copying all its files to storage, but the files
+    appear one by one: a job killed mid-copy leaves a readable train_state.json next to truncated
+    DeepSpeed pickles (zip archives without their end record) or missing rank files.
+    """
+    from eagle3_ray.drafter.export import CHECKPOINT_WEIGHTS
+
+    ckpt = Path(ckpt)
+    try:
+        state = read_train_state(ckpt)
+    except CheckpointError as e:
+        return str(e)
+    pts = sorted((ckpt / DS_TAG).glob("**/*.pt"))
+    if not pts:
+        return f"no DeepSpeed state under {ckpt / DS_TAG}"
+    broken = [p.name for p in pts if not zipfile.is_zipfile(p)]
+    if broken:
+        return f"truncated DeepSpeed files {broken}"
+    world = state.get("world_size")
+    if world is not None:
+        ranks = {p.name for p in (ckpt / DATA_STATE_DIR).glob("rank-*.json")}
+        missing = [r for r in range(world) if f"rank-{r}.json" not in ranks]
+        if missing:
+            return f"data state of ranks {missing} missing"
+        optim = [p for p in pts if p.name.endswith("optim_states.pt")]  # one per rank under ZeRO >= 1
+        if state.get("zero_stage", 0) >= 1 and len(optim) < world:
+            return f"optimizer state of {len(optim)} of {world} ranks"
+    for f in (ckpt / DATA_STATE_DIR).glob("rank-*.json"):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return f"{f.name} is not readable JSON"
+    return _safetensors_problem(ckpt / CHECKPOINT_WEIGHTS)
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """None when ``path`` holds its header and every byte the header promises."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        size = path.stat().st_size
+    except (OSError, ValueError, struct.error):
+        return f"{path.name} is missing or has no readable header"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return None if size == 8 + n + end else f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
 
 
 def export_from_training(checkpoint: str | Path, out: str | Path, engine: str = "sglang") -> Path:

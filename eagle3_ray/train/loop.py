@@ -120,7 +120,9 @@ def _save_checkpoint(engine, drafter, job: TrainJob, step: int, consumed: list[s
         with gather:
             if rank == 0:
                 save_drafter_weights(drafter, d)
-                ck.write_json(d / ck.TRAIN_STATE, {"step": step, "metrics": metrics, "identity": job.identity})
+                ck.write_json(d / ck.TRAIN_STATE, {"step": step, "metrics": metrics, "identity": job.identity,
+                                                   "world_size": ray.train.get_context().get_world_size(),
+                                                   "zero_stage": engine.zero_optimization_stage()})
         ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
