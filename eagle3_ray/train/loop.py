@@ -251,9 +251,10 @@ def train_func(job_dict: dict[str, Any]) -> None:
                 _say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
                      f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s")
+            # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
+            # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
+            # and Ray Train gets them with every checkpoint.
             window, window_n, tokens, t0 = {}, 0, 0, time.monotonic()
-            if step % t["checkpoint_every"] and step != max_steps:
-                ray.train.report({k: v for k, v in m.items()})
         if step % t["checkpoint_every"] == 0 or step == max_steps:
             _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
             saved_step = step
