@@ -259,6 +259,7 @@ def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ray_local
     restart = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
     resumed_from = steps[restart] - 1 if restart is not None else stopped_at
     assert 4 <= resumed_from <= stopped_at and f"[train] resumed at step {resumed_from}" in log
+    assert log.count("[train] resumed at step") == 1  # once: worker lines are not echoed twice
     assert steps[-1] == 12 and sorted(set(steps)) == list(range(1, 13))
 
     # A stop during the benchmark leaves some categories measured: the rerun measures only the rest.
