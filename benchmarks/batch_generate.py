@@ -17,17 +17,13 @@ import sys
 import time
 
 import torch
+from shapes import SHAPE_KEYS, add_shape_args, random_llama  # benchmarks/shapes.py
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--hidden", type=int, default=576)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(ap)
     ap.add_argument("--batches", default="64,256,512", help="batch sizes to measure")
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=400)
@@ -36,23 +32,18 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
 
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     from eagle3_ray.engines.static_generate import StaticBatchGenerator
 
     dev = torch.device(a.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    cfg, model = random_llama(a, dev)
+    dtype = model.dtype
     no_eos = a.vocab + 7  # an id the model never produces: every row runs to --new-tokens
     gen = StaticBatchGenerator(model, [no_eos], pad_id=0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     result = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-              "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
+              "shape": {k: getattr(a, k) for k in SHAPE_KEYS},
               "dtype": str(dtype), "new_tokens": a.new_tokens, "prompt_tokens": [a.min_prompt, a.max_prompt],
               "command": " ".join([sys.executable, *sys.argv]), "runs": []}
 

@@ -259,9 +259,9 @@ def hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
     eos = model.generation_config.eos_token_id
     clock = Stopwatch(dev)
     # The baseline at its best: without cuDNN's per-shape sdpa plans (the key length grows every step).
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from eagle3_ray.drafter.model import sdpa_for_growing_keys
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    with sdpa_for_growing_keys(dev):
         out = model.generate(ids[None].to(dev), attention_mask=torch.ones_like(ids)[None].to(dev), max_new_tokens=n,
                              do_sample=False, top_p=None, top_k=None, temperature=None, repetition_penalty=1.0)
     seconds = clock.seconds()

@@ -20,17 +20,13 @@ import time
 import traceback
 
 import torch
+from shapes import SHAPE_KEYS, add_shape_args, random_llama  # benchmarks/shapes.py
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--hidden", type=int, default=576)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -38,26 +34,19 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile one run of this mode (e.g. chain_static) into --out.prof.txt")
     a = ap.parse_args(argv)
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import eagle3_ray.spec as spec
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 
     dev = torch.device(a.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    cfg, model = random_llama(a, dev)
+    dtype = model.dtype
     aux = [2, a.layers // 2, a.layers - 3]
     dcfg = DrafterConfig.from_target(cfg, min(a.vocab, 32000), aux)
     drafter = spec.prepare_drafter(Eagle3Drafter(dcfg), model)
     prompt = torch.randint(10, a.vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1))
     n = a.new_tokens
     result = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-              "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
+              "shape": {k: getattr(a, k) for k in SHAPE_KEYS},
               "prompt_tokens": a.prompt_tokens, "new_tokens": n, "dtype": str(dtype),
               "command": " ".join([sys.executable, *sys.argv]), "modes": {}}
 

@@ -143,3 +143,16 @@ def _stop_head() -> None:
     env = _head["env"]
     _head.clear()
     stop_local_head(env)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Batch-1 decoding and tiny tensors are hundreds of small ops: on a shared 2-core machine one
+    torch thread runs them far faster than two that wait on each other. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

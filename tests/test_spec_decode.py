@@ -24,14 +24,7 @@ from eagle3_ray.spec import (
 from eagle3_ray.spec.sampling import Sampling, probs, verify_chain, verify_children
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Batch-1 decoding is hundreds of tiny ops; on a shared 2-core machine one thread runs them
-    an order of magnitude faster than two threads that wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _target(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:

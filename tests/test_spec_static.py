@@ -17,12 +17,7 @@ from eagle3_ray.spec import StaticTarget, generate, prepare_drafter, target_gene
 from eagle3_ray.spec.static import StaticRunner
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from eagle3_ray.drafter.ttt import split_rows
 H, HT, VOCAB, DRAFT = 16, 16, 40, 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: extra threads only fight over the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _drafter(seed: int = 0) -> Eagle3Drafter:

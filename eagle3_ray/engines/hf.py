@@ -178,8 +178,6 @@ class HFEngine:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[list[int]]:
-        from transformers import GenerationConfig
-
         if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise EngineError(
                 f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
@@ -190,11 +188,18 @@ class HFEngine:
             return []
         dev = self.target.device
         rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-        static = self._static_generator()
-        if static is not None:
-            with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
-                torch.manual_seed(seed)
+        # A private RNG stream: the same seed gives the same samples, and callers' RNG state is untouched.
+        with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
+            torch.manual_seed(seed)
+            static = self._static_generator()
+            if static is not None:
                 return static.generate([s.tolist() for s in seqs], max_new_tokens, temperature, top_p)
+            return self._hf_generate(seqs, max_new_tokens, temperature, top_p)
+
+    def _hf_generate(self, seqs: list[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float):
+        """transformers' ``generate`` on a left-padded batch (the caller seeds the RNG)."""
+        from transformers import GenerationConfig
+
         width = max(len(s) for s in seqs)
         # Left padding: every row's next token is then produced at the same column.
         input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # [B, Tmax]
@@ -213,12 +218,10 @@ class HFEngine:
             pad_token_id=self.pad_id,
             **sampling,
         )
-        # A private RNG stream: the same seed gives the same samples, and callers' RNG state is untouched.
-        with torch.random.fork_rng(devices=rng_devices, device_type=dev.type):
-            torch.manual_seed(seed)
-            out = self.target.model.generate(
-                input_ids=input_ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_cfg
-            )  # [B, Tmax + new]
+        dev = self.target.device
+        out = self.target.model.generate(
+            input_ids=input_ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_cfg
+        )  # [B, Tmax + new]
         return [cut_at_eos(row, self.eos_ids) for row in out[:, width:].tolist()]
 
     def _static_generator(self):

@@ -31,8 +31,8 @@ from transformers.cache_utils import Cache
 
 from eagle3_ray.engines.hf import cut_at_eos
 from eagle3_ray.errors import EngineError
-from eagle3_ray.spec.static import _SlotLayer, _Slots
-from eagle3_ray.spec.target import MASKABLE_ATTENTION
+from eagle3_ray.spec.static import SlotLayer, Slots
+from eagle3_ray.spec.target import MASKABLE_ATTENTION, cache_api
 
 GRAIN = 256  # storage lengths are rounded up to a multiple of this
 PREFILL_TOKENS = 32768  # padded prompt tokens per prompt forward (bounds its activations)
@@ -133,10 +133,8 @@ class StaticBatchGenerator:
         self.kv_budget_bytes = kv_budget_bytes  # None: 60% of what the device can spare (CUDA), else unbounded
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.pad_id = pad_id
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 renamed it
-        self._takes_cache_position = "cache_position" in params
-        self._slots = _Slots()
+        self._cache_kwarg, self._takes_cache_position = cache_api(model)
+        self._slots = Slots()
         _register_decode_attention()
         self._batch: _Batch | None = None
         self.captures = 0  # graphs captured so far (a new batch shape or sampling mode captures one)
@@ -229,7 +227,7 @@ class StaticBatchGenerator:
         self._batch = None  # free the last shape's storage and graph first
         dev = self.device
         storage = torch.zeros(self.layers, 2, rows, self.kv_heads, s, self.head_dim, dtype=self.dtype, device=dev)
-        cache = Cache(layers=[_SlotLayer(storage[i, 0], storage[i, 1], self._slots) for i in range(self.layers)])
+        cache = Cache(layers=[SlotLayer(storage[i, 0], storage[i, 1], self._slots) for i in range(self.layers)])
         self._batch = _Batch(
             key=key, storage=storage, cache=cache,
             tok=torch.zeros(rows, dtype=torch.long, device=dev),
@@ -268,7 +266,7 @@ class StaticBatchGenerator:
         firsts = []
         for r0 in range(0, rows, chunk):
             r1 = min(rows, r0 + chunk)
-            cache = Cache(layers=[_SlotLayer(b.storage[i, 0, r0:r1], b.storage[i, 1, r0:r1], self._slots)
+            cache = Cache(layers=[SlotLayer(b.storage[i, 0, r0:r1], b.storage[i, 1, r0:r1], self._slots)
                                   for i in range(self.layers)])
             pad = b.pad[r0:r1, None, None]  # [r, 1, 1]
             # Row r's query q sees keys pad..q; a padding query sees only itself (its output is unused).

@@ -23,33 +23,32 @@ by failing on every op that would read a device value on the host.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.target import MASKABLE_ATTENTION, TargetOut
+from eagle3_ray.spec.target import MASKABLE_ATTENTION, TargetOut, cache_api
 
 MAX_GRAPH_WIDTH = 64  # wider forwards run eagerly; verify widths are far below this
 MAX_GRAPHS = 8  # distinct widths captured at most
 
 
-class _Slots:
+class Slots:
     """Where the current forward writes its keys: one [W] long tensor shared by every layer."""
 
     pos: torch.Tensor | None = None
 
 
-class _SlotLayer(CacheLayerMixin):
+class SlotLayer(CacheLayerMixin):
     """One decoder layer's view of the shared storage; writes the new keys at ``slots.pos``."""
 
     _layer_type = None  # never registered in transformers' layer-type mappings
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: _Slots):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: Slots):
         super().__init__()
         self.keys, self.values = keys, values  # [1, kv, S, D] views into the storage
         self.slots = slots
@@ -116,14 +115,11 @@ class StaticTarget:
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.storage = torch.zeros(layers, 2, kv_heads, max_length, head_dim, dtype=self.dtype, device=self.device)
-        self._slots = _Slots()
-        self.cache = Cache(layers=[_SlotLayer(self.storage[i, 0][None], self.storage[i, 1][None], self._slots)
+        self._slots = Slots()
+        self.cache = Cache(layers=[SlotLayer(self.storage[i, 0][None], self.storage[i, 1][None], self._slots)
                                    for i in range(layers)])
         self._keys = torch.arange(max_length, device=self.device)  # [S]
-        # transformers 5.24 renamed past_key_values to cache and dropped cache_position; take either API.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._takes_cache_position = "cache_position" in params
+        self._cache_kwarg, self._takes_cache_position = cache_api(model)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], tuple]] = {}
         self.captured: list[int] = []  # widths with a graph, in capture order
         self._owner: StaticRunner | None = None

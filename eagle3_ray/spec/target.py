@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 MASKABLE_ATTENTION = ("sdpa", "eager")  # attentions that add a custom 4D mask to the scores
 
 
+def cache_api(model: torch.nn.Module) -> tuple[str, bool]:
+    """(the forward's cache keyword, whether it takes ``cache_position``): transformers 5.24 renamed
+    past_key_values to cache and dropped cache_position; earlier 5.x take the old names."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "cache_position" in params
+
+
 @dataclass
 class TargetOut:
     logits: torch.Tensor  # [T, V] fp32
@@ -45,8 +52,7 @@ class TargetRunner:
         self.aux_layers = list(aux_layers)
         self.cache = DynamicCache(config=model.config)
         self.device = model.get_input_embeddings().weight.device
-        # transformers 5.24 renamed past_key_values to cache; earlier 5.x only take the old name.
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kwarg, _ = cache_api(model)
 
     @property
     def length(self) -> int:
