@@ -36,6 +36,8 @@ def distill(engine, tok, prompts_path: Path, work: Path, a) -> list:
     from eagle3_ray.data.sources import Sample, read_samples
 
     samples = [s for s in read_samples(prompts_path, max_samples=a.num_prompts) if isinstance(s, Sample)]
+    k, n_shards = a.shard
+    samples = samples[k::n_shards]  # one process per GPU, each answering its own share
     t = time.perf_counter()
     if a.synthetic_prompts:
         samples += synthetic_prompts(engine, tok, a)
@@ -97,7 +99,8 @@ def synthetic_prompts(engine, tok, a) -> list:
     ids = tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
     t, out, seen, call = time.perf_counter(), [], set(), 0
     while len(out) < a.synthetic_prompts and time.perf_counter() - t < a.synthetic_seconds:
-        answers = engine.generate([ids] * a.gen_batch, 160, temperature=1.0, top_p=0.98, seed=10_000 + call)
+        answers = engine.generate([ids] * a.gen_batch, 160, temperature=1.0, top_p=0.98,
+                                  seed=10_000 + call + 1_000_000 * a.shard[0])
         call += 1
         for new in answers:
             if not new or new[-1] not in engine.eos_ids:  # the user turn never ended
@@ -106,7 +109,7 @@ def synthetic_prompts(engine, tok, a) -> list:
             if len(q.split()) < 4 or q in seen:
                 continue
             seen.add(q)
-            out.append(Sample(f"magpie-{len(out):06d}", [{"role": "user", "content": q}], "synthetic"))
+            out.append(Sample(f"magpie{a.shard[0]}-{len(out):06d}", [{"role": "user", "content": q}], "synthetic"))
     log(f"{len(out)} synthetic prompts from {call * a.gen_batch} samples in {time.perf_counter() - t:.0f}s; "
         f"e.g. {[s.messages[0]['content'][:80] for s in out[:3]]}")
     return out[: a.synthetic_prompts]
@@ -125,6 +128,27 @@ def featurize(engine, tok, convs, a):
             pass
     t = time.perf_counter()
     records, dev = [], engine.target.device
+    # Features stay on the training device: cap the tokens at a share of its free memory.
+    hidden = engine.target.model.config.hidden_size
+    per_token = (len(engine.info.aux_layers) + 1) * hidden * 2  # bf16 aux + last hidden
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        budget = int(a.feature_memory * free) // per_token
+    else:
+        budget = 1 << 62
+    order = list(range(len(toks)))
+    random.Random(0).shuffle(order)  # what does not fit is a random share, not the tail of the mix
+    kept, n = [], 0
+    for i in order:
+        n += len(toks[i].input_ids)
+        if n > budget:
+            break
+        kept.append(i)
+    if len(kept) < len(toks):
+        log(f"features of {len(kept)} of {len(toks)} conversations fit {a.feature_memory:.0%} of free device "
+            f"memory ({budget:,} tokens); the rest are left out")
+    kept.sort()
+    toks, groups = [toks[i] for i in kept], [groups[i] for i in kept]
     for start in range(0, len(toks), 256):
         chunk = toks[start : start + 256]
         caps = engine.capture([c.input_ids for c in chunk])
@@ -310,11 +334,14 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
                  torch.tensor(render_generation_prompt(tok, [{"role": "user", "content": next(iter(sets.values()))[0][0]}])),
                  Path(a.out).with_suffix(".prof.txt"))
     results, eager_left = {}, a.eager_turns
-    shares = {"mt_bench": 0.4}  # MT-bench is the headline set; the others share the rest
+    shares = {"mt_bench": a.mt_share}  # MT-bench is the headline set; the others share the rest
     rest = (1 - shares["mt_bench"]) / max(1, len([n for n in sets if n != "mt_bench"]))
     all_modes = ["baseline", *modes, *(f"{m}_eager" for m in modes)]
     for name, convs in sets.items():
-        agg = {m: {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0, "turns": 0, "differ": 0} for m in all_modes}
+        # Per mode: all turns (tau, tokens/s) and the turns HF generate also ran (speedup on the same turns).
+        zero = {"tokens": 0, "verified": 0, "steps": 0, "seconds": 0.0, "turns": 0, "differ": 0,
+                "tokens_b": 0, "seconds_b": 0.0}
+        agg = {m: dict(zero) for m in all_modes}
         t_set, budget = time.perf_counter(), a.eval_seconds * shares.get(name, rest)
         turns_done = 0
         for turns in convs:
@@ -324,22 +351,29 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
             for turn in turns[: a.max_turns]:
                 messages.append({"role": "user", "content": turn})
                 ids = torch.tensor(render_generation_prompt(tok, messages)[-a.max_length:])
-                base, seconds = hf_generate(model, ids, a.eval_new_tokens)
-                agg["baseline"]["tokens"] += len(base)
-                agg["baseline"]["seconds"] += seconds
-                agg["baseline"]["turns"] += 1
+                base = None
+                if turns_done < a.baseline_turns:
+                    base, seconds = hf_generate(model, ids, a.eval_new_tokens)
+                    for k, x in (("tokens", len(base)), ("tokens_b", len(base)), ("seconds", seconds),
+                                 ("seconds_b", seconds), ("turns", 1)):
+                        agg["baseline"][k] += x
                 todo = [(m, False) for m in modes] + ([(m, True) for m in modes] if eager_left > 0 else [])
                 eager_left -= 1
+                answer = base
                 for m, eager in todo:
                     out, st = run(m, ids, eager)
+                    answer = out if answer is None else answer  # without a baseline: plain greedy's answer
                     v = agg[f"{m}_eager" if eager else m]
-                    v["differ"] += int(out != base)
+                    v["differ"] += int(base is not None and out != base)
                     v["tokens"] += st.new_tokens
                     v["verified"] += st.new_tokens - 1  # the prefill's token is no verify step
                     v["steps"] += st.verify_steps
                     v["seconds"] += st.seconds
                     v["turns"] += 1
-                messages.append({"role": "assistant", "content": tok.decode(base, skip_special_tokens=True)})
+                    if base is not None:
+                        v["tokens_b"] += st.new_tokens
+                        v["seconds_b"] += st.seconds
+                messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
                 turns_done += 1
         if agg["baseline"]["tokens"] == 0:  # the evaluation time budget ran out before this set
             continue
@@ -350,12 +384,14 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
             tps = v["tokens"] / max(v["seconds"], 1e-9)
             results[name][m] = {"tau": v["verified"] / max(v["steps"], 1) if m.startswith(("chain", "tree")) else None,
                                 "tokens_per_s": tps, "tokens": v["tokens"], "turns": v["turns"],
+                                "tokens_per_s_baseline_turns": v["tokens_b"] / max(v["seconds_b"], 1e-9),
                                 "outputs_differing_from_hf_greedy": v["differ"]}
         base_tps = results[name]["baseline"]["tokens_per_s"]
         plain_tps = results[name]["plain"]["tokens_per_s"]
         for m, r in results[name].items():
             if isinstance(r, dict):
-                r["speedup"] = r["tokens_per_s"] / base_tps  # over HF generate (the goal's baseline)
+                # over HF generate (the goal's baseline), on the turns both ran
+                r["speedup"] = r["tokens_per_s_baseline_turns"] / base_tps
                 r["speedup_vs_plain_static"] = r["tokens_per_s"] / plain_tps  # same machinery, no drafter
         on_set(results)
         log(f"{name}: {turns_done} turns; " + ", ".join(
@@ -383,6 +419,13 @@ def _profile(hf, chain, ids, path: Path) -> None:
     log(f"profile written: {path}")
 
 
+def _shard(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard wants K/N with 0 <= K < N, got {text!r}")
+    return int(k), int(n)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True)
@@ -407,6 +450,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-temperature", type=float, default=0.7)
     ap.add_argument("--synthetic-prompts", type=int, default=0, help="Magpie-style prompts the target writes")
     ap.add_argument("--synthetic-seconds", type=float, default=60)
+    ap.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                    help="distill: answer prompts K, K+N, ... (one process per GPU; seeds differ per shard)")
+    ap.add_argument("--feature-memory", type=float, default=0.7,
+                    help="share of free device memory the captured training features may take")
     ap.add_argument("--val-samples", type=int, default=256, help="conversations held out of training")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -421,6 +468,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-set", type=int, default=10)
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--eval-new-tokens", type=int, default=192)
+    ap.add_argument("--baseline-turns", type=int, default=1 << 30,
+                    help="per set, HF generate (the speedup's baseline) runs on the first N turns only")
+    ap.add_argument("--mt-share", type=float, default=0.4, help="share of --eval-seconds for MT-bench")
     ap.add_argument("--eval-seconds", type=float, default=300)
     ap.add_argument("--eager-turns", type=int, default=2, help="turns also decoded without the StaticTarget")
     ap.add_argument("--no-graphs", action="store_true", help="StaticTarget without CUDA graphs")

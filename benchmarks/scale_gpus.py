@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=int, default=None, help="local Ray CPUs (default: all; 4 on --device cpu)")
     ap.add_argument("--budget-s", type=float, default=280, help="wall-clock budget of the whole script")
     ap.add_argument("--run-cap-s", type=float, default=100, help="no single run longer, whatever the budget left")
+    ap.add_argument("--train-only", action="store_true",
+                    help="training scaling only: one 1-actor extraction builds the store, no N-actor run")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--md", help="also write a markdown summary here")
     ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. extract.concurrent_batches=3")
@@ -270,7 +272,7 @@ def phase_extract(a, root: Path, info, budget: Budget, report) -> Path | None:
         print(f"[scale] {note}", flush=True)
     report["extract_note"] = note
     train_store = None
-    for n in (1, a.gpus):
+    for n in (1,) if a.train_only else (1, a.gpus):
         run = extract_run(a, n, root, samples, info.vocab_size, budget.next_cap("extract"))
         report["extract_runs"].append(run)
         report.save()
@@ -358,8 +360,12 @@ def train_run(a, n: int, root: Path, store: Path, vocab: Path, heads: Path, cap:
                        f"train.checkpoint_every={a.train_steps}", f"name=scale-train-{n}"])
     metrics = out / "metrics.jsonl"
 
+    t_start, first_log = time.monotonic(), []
+
     def measured() -> bool:  # the last step is logged before the final checkpoint, not needed here
         lines = metric_lines(metrics)
+        if lines and not first_log:  # start-up cost: Ray Train workers, DeepSpeed, first packs
+            first_log.append(round(time.monotonic() - t_start, 1))
         return bool(lines) and lines[-1]["step"] >= a.train_steps
 
     print(f"[scale] train: {n} worker(s), {a.train_steps} steps of {bt} tokens, cap {cap:.0f}s", flush=True)
@@ -370,6 +376,7 @@ def train_run(a, n: int, root: Path, store: Path, vocab: Path, heads: Path, cap:
         "workers": n, "status": res.status, "seconds": res.seconds, "error": res.error,
         "steps_done": lines[-1]["step"] if lines else 0, "steps_measured": steps, "warmup_steps": warmup,
         "batch_tokens": bt, "tokens_per_s": rate, "windows": [round(m["tokens_per_s"], 1) for m in lines],
+        "first_log_s": first_log[0] if first_log else None, "log_every": log_every,
     }
     print(f"[scale] train {n}: {_fmt(rate)} tok/s over {steps} steps, {res.status} in {res.seconds}s", flush=True)
     return run
@@ -470,7 +477,7 @@ def main(argv=None) -> int:
     report = Report(a.json, target=a.target, gpus=a.gpus, seq=a.seq, hidden_size=info.hidden_size,
                     draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps, root=str(root), **machine(a),
                     command=" ".join([sys.executable, *sys.argv]), extract_runs=[], train_runs=[])
-    budget = Budget(a.budget_s, ["extract", "extract", "vocab", "train", "train"], a.run_cap_s)
+    budget = Budget(a.budget_s, ["extract"] * (1 if a.train_only else 2) + ["vocab", "train", "train"], a.run_cap_s)
     init_ray(cfg.ray)
     store = None
     try:

@@ -120,7 +120,9 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
     job, packs, _ = plan_training(cfg, features, vocab, out)
-    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard)
+    # Two pack loaders per worker: at the 8B shape a pack is 64 MB and a worker takes ~9 per second.
+    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard,
+                                  loaders=2 * cfg.train.num_workers)
     return fit(cfg, job, dataset, out, t0)
 
 
