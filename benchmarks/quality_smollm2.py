@@ -119,16 +119,9 @@ def featurize(engine, tok, convs, a):
     from eagle3_ray.data.chat import tokenize_conversation
     from eagle3_ray.errors import SampleRejected
 
-    toks, groups = [], []
-    for s in convs:
-        try:
-            toks.append(tokenize_conversation(tok, s, a.max_length, truncate=True))
-            groups.append(s.sample_id.split("#")[0])  # sampled answers share their prompt's group
-        except SampleRejected:
-            pass
-    t = time.perf_counter()
-    records, dev = [], engine.target.device
-    # Features stay on the training device: cap the tokens at a share of its free memory.
+    dev = engine.target.device
+    # Features stay on the training device: cap the tokens at a share of its free memory, taking a
+    # random share of the conversations (not the tail of the mix) and tokenizing only those.
     hidden = engine.target.model.config.hidden_size
     per_token = (len(engine.info.aux_layers) + 1) * hidden * 2  # bf16 aux + last hidden
     if dev.type == "cuda":
@@ -136,19 +129,26 @@ def featurize(engine, tok, convs, a):
         budget = int(a.feature_memory * free) // per_token
     else:
         budget = 1 << 62
-    order = list(range(len(toks)))
-    random.Random(0).shuffle(order)  # what does not fit is a random share, not the tail of the mix
-    kept, n = [], 0
+    order = list(range(len(convs)))
+    random.Random(0).shuffle(order)
+    t = time.perf_counter()
+    toks, groups, n = [], [], 0
     for i in order:
-        n += len(toks[i].input_ids)
-        if n > budget:
+        s = convs[i]
+        try:
+            c = tokenize_conversation(tok, s, a.max_length, truncate=True)
+        except SampleRejected:
+            continue
+        if n + len(c.input_ids) > budget:
+            log(f"features of {len(toks)} of {len(convs)} conversations fit {a.feature_memory:.0%} of free device "
+                f"memory ({budget:,} tokens); the rest are left out")
             break
-        kept.append(i)
-    if len(kept) < len(toks):
-        log(f"features of {len(kept)} of {len(toks)} conversations fit {a.feature_memory:.0%} of free device "
-            f"memory ({budget:,} tokens); the rest are left out")
-    kept.sort()
-    toks, groups = [toks[i] for i in kept], [groups[i] for i in kept]
+        n += len(c.input_ids)
+        toks.append(c)
+        groups.append(s.sample_id.split("#")[0])  # sampled answers share their prompt's group
+    log(f"tokenized {len(toks)} conversations in {time.perf_counter() - t:.0f}s")
+    t = time.perf_counter()
+    records = []
     for start in range(0, len(toks), 256):
         chunk = toks[start : start + 256]
         caps = engine.capture([c.input_ids for c in chunk])
@@ -156,10 +156,12 @@ def featurize(engine, tok, convs, a):
             records.append({
                 "group": g,
                 "input_ids": torch.tensor(c.input_ids), "loss_mask": torch.tensor(c.loss_mask, dtype=torch.uint8),
-                # Kept on the training device: no host-to-device copy per training step.
-                "aux_hidden": cap.aux_hidden.to(device=dev, dtype=torch.bfloat16),
-                "last_hidden": cap.last_hidden.to(device=dev, dtype=torch.bfloat16),
+                # Kept on the training device: no host-to-device copy per training step. A copy, not
+                # the capture's view: a view would keep its whole padded batch alive.
+                "aux_hidden": cap.aux_hidden.to(device=dev, dtype=torch.bfloat16, copy=True),
+                "last_hidden": cap.last_hidden.to(device=dev, dtype=torch.bfloat16, copy=True),
             })
+        del caps
     n = sum(r["input_ids"].numel() for r in records)
     log(f"captured {len(records)} samples, {n:,} tokens in {time.perf_counter() - t:.0f}s")
     return records

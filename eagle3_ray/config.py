@@ -164,6 +164,9 @@ class TrainConfig(_Section):
         "tokens (the same loss; dense attention then costs rows x R^2 instead of N^2). None = one row."
     )
     grad_accum: int = Field(1, ge=1)
+    prefetch_packs: int = Field(
+        2, ge=1, description="Packs each worker fetches and copies to its device ahead of the running step."
+    )
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads on CPU) per training worker.")
     use_gpu: bool | None = Field(None, description="Default: True when the cluster has GPUs.")

@@ -113,10 +113,13 @@ def test_train_refuses_a_vocab_map_of_another_size(ci_tiny_inputs, tmp_path):
 
 def test_the_training_loop_reads_its_shard_in_one_pass(ray_local, tmp_path):
     """Steps take rows from one execution of the dataset: DataIterator.iter_rows() is an iterable
-    that re-executes the whole pipeline on every iter(), which once cost seconds per step."""
+    that re-executes the whole pipeline on every iter(), which once cost seconds per step. The
+    prefetch thread skips packs consumed before a resume."""
     import ray
+    import torch
 
-    from eagle3_ray.train.loop import next_unconsumed, pack_stream
+    from eagle3_ray.train.loop import pack_stream
+    from eagle3_ray.train.prefetch import PackPrefetcher
 
     log = tmp_path / "loads.txt"
     path = str(log)
@@ -124,16 +127,16 @@ def test_the_training_loop_reads_its_shard_in_one_pass(ray_local, tmp_path):
     def load(row: dict) -> dict:  # nested: pickled by value for the Ray workers
         with open(path, "a") as f:
             f.write(f"{row['id']}\n")
-        return {"key": f"0:{row['id']}"}
+        return {"key": f"0:{row['id']}", "x": row["id"]}
 
     ds = ray.data.range(8, override_num_blocks=8).map(load)
-    rows = pack_stream(ds.iterator())
-    consumed = {"0:2"}
+    convert = lambda row: {"x": torch.tensor([int(row["x"])])}  # noqa: E731
     taken = []
-    for _ in range(7):
-        row = next_unconsumed(rows, consumed)
-        consumed.add(row["key"])
-        taken.append(row["key"])
-    assert next_unconsumed(rows, consumed) is None
+    with PackPrefetcher(pack_stream(ds.iterator()), convert, torch.device("cpu"), skip=frozenset({"0:2"})) as rows:
+        while (item := rows.next()) is not None:
+            key, batch = item
+            assert key == f"0:{int(batch['x'])}"
+            taken.append(key)
+        assert rows.next() is None
     assert sorted(taken) == sorted(f"0:{i}" for i in range(8) if i != 2)
     assert len(log.read_text().split()) == 8  # every row loaded once: one execution

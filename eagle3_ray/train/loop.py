@@ -167,23 +167,17 @@ def pack_stream(shard) -> Iterator[dict]:
     return iter(shard.iter_rows())
 
 
-def next_unconsumed(rows: Iterator[dict], consumed: set[str]) -> dict | None:
-    """The next row whose pack has not been trained on yet (resume skips consumed packs)."""
-    return next((r for r in rows if str(r["key"]) not in consumed), None)
-
-
 def train_func(job_dict: dict[str, Any]) -> None:
     import deepspeed
     import ray.train
 
-    from eagle3_ray.drafter.ttt import ttt_forward
     from eagle3_ray.train.data import row_to_batch
+    from eagle3_ray.train.prefetch import PackPrefetcher
     from eagle3_ray.train.schedule import warmup_cosine
 
     job = TrainJob(**job_dict)
     t = job.train
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
     if job.use_gpu:
         torch.cuda.set_device(device)
@@ -209,17 +203,37 @@ def train_func(job_dict: dict[str, Any]) -> None:
     metrics_path = Path(job.out_dir) / "metrics.jsonl"
     max_steps = min(job.total_steps, t["max_steps"] or job.total_steps)
 
-    rows = pack_stream(ray.train.get_dataset_shard("train"))
+    # Packs are fetched and copied to the device on a background thread while the step runs.
+    prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")),
+                              lambda row: row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype),
+                              device, skip=frozenset(consumed), depth=t["prefetch_packs"])
+    try:
+        _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path)
+    finally:
+        prefetch.close()
+
+
+def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
+          attention: str, device: torch.device, metrics_path: Path) -> None:
+    import ray.train
+
+    from eagle3_ray.drafter.ttt import ttt_forward
+
+    t = job.train
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
     window: dict[str, float] = {}
-    window_n, tokens, t0 = 0, 0, time.monotonic()
+    window_n, tokens, wait, t0 = 0, 0, 0.0, time.monotonic()
     micro, saved_step = 0, step
     last_metrics: dict[str, float] = {}
     while step < max_steps:
-        row = next_unconsumed(rows, consumed)
-        if not _all_have_data(row is not None, device):
+        t_wait = time.monotonic()
+        item = prefetch.next()
+        wait += time.monotonic() - t_wait
+        if not _all_have_data(item is not None, device):
             break
-        consumed.add(str(row["key"]))
-        batch = row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype)
+        key, batch = item
+        consumed.add(key)
         out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
                           pad_to=t["batch_tokens"], row_tokens=t["row_tokens"])
         engine.backward(out.loss)
@@ -236,6 +250,7 @@ def train_func(job_dict: dict[str, Any]) -> None:
             elapsed = time.monotonic() - t0
             m = {k: v / window_n for k, v in window.items()}
             m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
+            m["input_wait"] = wait / max(elapsed, 1e-9)  # share of the time spent waiting for packs
             m = _mean_over_ranks(m, device)
             m["tokens_per_s"] *= ctx.get_world_size()
             m["lr"] = engine.get_lr()[0]
@@ -250,11 +265,11 @@ def train_func(job_dict: dict[str, Any]) -> None:
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
                 _say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
-                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s")
+                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})")
             # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
             # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
             # and Ray Train gets them with every checkpoint.
-            window, window_n, tokens, t0 = {}, 0, 0, time.monotonic()
+            window, window_n, tokens, wait, t0 = {}, 0, 0, 0.0, time.monotonic()
         if step % t["checkpoint_every"] == 0 or step == max_steps:
             _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
             saved_step = step

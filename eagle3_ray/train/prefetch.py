@@ -1,0 +1,111 @@
+"""Background prefetch of training packs: the next rows of a worker's Ray Data shard are fetched and
+copied to the device while the current step runs.
+
+Without it, every step first waited for its pack on the training thread: taking the row from Ray
+Data, making its arrays contiguous and copying them to the GPU (64 MB per 2048-token pack at the
+8B shape), with the GPU idle all the while. On two H200s the Ray Train loop ran at 6.2K tokens/s
+per GPU against 18.2K for the bare training step (benchmarks/results/README.md).
+
+On CUDA the copies run on a side stream; the training stream waits for the pack's event before
+using it, and the tensors are recorded on that stream so the allocator does not reuse their memory
+early. On CPU the thread only does the conversion.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterable
+
+import torch
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class PackPrefetcher:
+    """Iterate (key, batch) over `rows`, `depth` packs ahead, skipping keys in `skip`.
+
+    `convert(row) -> dict[str, Tensor]` runs on the prefetch thread (on CUDA inside a side stream);
+    an exception there is raised by `next()` on the training thread. `next()` returns None at the
+    end of the rows. Call `close()` (or use as a context manager) to stop the thread early.
+    """
+
+    def __init__(self, rows: Iterable[dict], convert: Callable[[dict], dict[str, torch.Tensor]],
+                 device: torch.device, skip: frozenset[str] = frozenset(), depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be at least 1, got {depth}")
+        self.device = device
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, args=(rows, convert, skip), daemon=True,
+                                        name="pack-prefetch")
+        self._thread.start()
+
+    def _run(self, rows, convert, skip) -> None:
+        try:
+            for row in rows:
+                key = str(row["key"])
+                if key in skip:  # trained on before a resume
+                    continue
+                event = None
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        batch = convert(row)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                else:
+                    batch = convert(row)
+                if not self._put((key, batch, event)):
+                    return
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._put(_Failure(e))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+        if self._done:
+            return None
+        item = self._q.get()
+        if item is _END:
+            self._done = True
+            return None
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.error
+        key, batch, event = item
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for t in batch.values():
+                t.record_stream(stream)
+        return key, batch
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a pending put
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "PackPrefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

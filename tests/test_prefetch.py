@@ -1,0 +1,77 @@
+"""PackPrefetcher: packs in order, ahead of the training thread, errors surfaced, early stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from eagle3_ray.train.prefetch import PackPrefetcher
+
+CPU = torch.device("cpu")
+
+
+def _rows(n, seen=None):
+    for i in range(n):
+        if seen is not None:
+            seen.append(i)
+        yield {"key": f"0:{i}", "x": i}
+
+
+def _convert(row):
+    return {"x": torch.full((3,), float(row["x"]))}
+
+
+def test_packs_come_in_order_and_skip_consumed_keys():
+    with PackPrefetcher(_rows(6), _convert, CPU, skip=frozenset({"0:1", "0:4"})) as p:
+        got = []
+        while (item := p.next()) is not None:
+            got.append((item[0], item[1]["x"][0].item()))
+    assert got == [("0:0", 0.0), ("0:2", 2.0), ("0:3", 3.0), ("0:5", 5.0)]
+
+
+def test_it_fetches_ahead_but_no_further_than_its_depth():
+    seen = []
+    with PackPrefetcher(_rows(10, seen), _convert, CPU, depth=2) as p:
+        deadline = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < deadline:  # 2 queued + 1 waiting to be put
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert len(seen) == 3, seen  # the training thread has taken nothing yet
+        assert p.next()[0] == "0:0"
+
+
+def test_an_error_while_loading_is_raised_on_the_training_thread():
+    def rows():
+        yield {"key": "0:0", "x": 0}
+        raise OSError("shard 7 is truncated")
+
+    with PackPrefetcher(rows(), _convert, CPU) as p:
+        assert p.next()[0] == "0:0"
+        with pytest.raises(OSError, match="shard 7"):
+            p.next()
+        assert p.next() is None
+
+
+def test_close_stops_the_thread_while_it_waits_to_put():
+    p = PackPrefetcher(_rows(1000), _convert, CPU, depth=1)
+    p.next()
+    p.close()
+    assert not p._thread.is_alive()
+    assert not any(t.name == "pack-prefetch" for t in threading.enumerate())
+
+
+def test_depth_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        PackPrefetcher(_rows(1), _convert, CPU, depth=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA side-stream path")
+def test_cuda_packs_are_ready_on_the_training_stream():
+    dev = torch.device("cuda")
+    with PackPrefetcher(_rows(4), lambda r: {"x": _convert(r)["x"].to(dev)}, dev) as p:
+        while (item := p.next()) is not None:
+            assert item[1]["x"].device.type == "cuda"
+            assert (item[1]["x"] == float(item[0].split(":")[1])).all()
