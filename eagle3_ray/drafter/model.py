@@ -171,7 +171,13 @@ class DrafterKVCache:
     rolls back with ``crop(n)`` (reject drafts) or ``select(index)`` (keep a tree's accepted path).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, growing: bool = False) -> None:
+        # growing: a decoding cache, one call per draft step, so its key length differs on every call;
+        # attention then runs without cuDNN (sdpa_for_growing_keys). The TTT unroll's cache (False)
+        # sees the same shapes every training step and keeps torch's choice: cuDNN's plans are reused
+        # there, and without cuDNN the masked GQA attention fell back to the math kernel (2.5x slower
+        # 8B-shaped steps on an H200).
+        self.growing = growing
         self.k: torch.Tensor | None = None  # [B, kv, S, D]
         self.v: torch.Tensor | None = None  # [B, kv, S, D]
 
@@ -240,7 +246,7 @@ class DrafterAttention(nn.Module):
             # New query j sits at cache index past + j and sees every key up to it.
             keys = torch.arange(past + t, device=x.device)
             mask = (keys[None, :] <= past + torch.arange(t, device=x.device)[:, None])[None, None]
-        with sdpa_for_growing_keys(q.device) if cache is not None else contextlib.nullcontext():
+        with sdpa_for_growing_keys(q.device) if cache is not None and cache.growing else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
             )  # [B, h, T, D]

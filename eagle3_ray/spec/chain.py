@@ -64,7 +64,7 @@ class Eagle3Proposer:
         self.begin(torch.empty(0))
 
     def begin(self, prompt: torch.Tensor) -> None:
-        self.cache = DrafterKVCache()
+        self.cache = DrafterKVCache(growing=True)
         self.committed = 0  # drafter positions backed by target states
         self.hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
 
