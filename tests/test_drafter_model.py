@@ -221,3 +221,24 @@ def test_bf16_cast_keeps_buffers_and_rope_exact(drafter):
     assert d.d2t.dtype == torch.int64 and d.t2d.dtype == torch.bool and d.rotary.inv_freq.dtype == torch.float32
     ids, hidden, pos = _inputs()
     assert d(ids, hidden.bfloat16(), pos).dtype == torch.bfloat16
+
+
+def test_only_decoding_caches_run_attention_without_cudnn(drafter):
+    """cuDNN re-plans per shape, so decoding (key length grows every call) runs without it; the TTT
+    unroll's cache sees the same shapes every step and keeps torch's choice: without cuDNN its masked
+    GQA attention fell back to the math kernel (8B-shaped step 18.9K -> 7.2K tokens/s on an H200).
+    The backend flags are process-wide, so a CUDA device object shows the choice on any build."""
+    from eagle3_ray.drafter.model import attention_backends
+    from eagle3_ray.spec.chain import Eagle3Proposer
+
+    cuda = torch.device("cuda")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(DrafterKVCache(growing=True), cuda):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    for cache in (DrafterKVCache(), None):  # the TTT unroll's cache; an uncached forward
+        with attention_backends(cache, cuda):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(DrafterKVCache(growing=True), torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing to change off CUDA
+    assert Eagle3Proposer(drafter).cache.growing  # speculative decoding's drafter cache

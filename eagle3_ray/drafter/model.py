@@ -246,11 +246,17 @@ class DrafterAttention(nn.Module):
             # New query j sits at cache index past + j and sees every key up to it.
             keys = torch.arange(past + t, device=x.device)
             mask = (keys[None, :] <= past + torch.arange(t, device=x.device)[:, None])[None, None]
-        with sdpa_for_growing_keys(q.device) if cache is not None and cache.growing else contextlib.nullcontext():
+        with attention_backends(cache, q.device):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
             )  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def attention_backends(cache: "DrafterKVCache | None", device: torch.device):
+    """The sdpa backends of one drafter attention call: without cuDNN for a decoding cache
+    (``growing``), torch's choice otherwise (the TTT unroll, uncached calls)."""
+    return sdpa_for_growing_keys(device) if cache is not None and cache.growing else contextlib.nullcontext()
 
 
 def sdpa_for_growing_keys(device: torch.device):
