@@ -21,15 +21,15 @@ def _rows(n, seen=None):
 
 
 def _convert(row):
-    return {"x": torch.full((3,), float(row["x"]))}
+    return {"x": torch.full((3,), float(row["x"]))}, row["x"] * 10
 
 
 def test_packs_come_in_order_and_skip_consumed_keys():
     with PackPrefetcher(_rows(6), _convert, CPU, skip=frozenset({"0:1", "0:4"})) as p:
         got = []
         while (item := p.next()) is not None:
-            got.append((item[0], item[1]["x"][0].item()))
-    assert got == [("0:0", 0.0), ("0:2", 2.0), ("0:3", 3.0), ("0:5", 5.0)]
+            got.append((item[0], item[1]["x"][0].item(), item[2]))
+    assert got == [("0:0", 0.0, 0), ("0:2", 2.0, 20), ("0:3", 3.0, 30), ("0:5", 5.0, 50)]
 
 
 def test_it_fetches_ahead_but_no_further_than_its_depth():
@@ -71,7 +71,7 @@ def test_depth_must_be_positive():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA side-stream path")
 def test_cuda_packs_are_ready_on_the_training_stream():
     dev = torch.device("cuda")
-    with PackPrefetcher(_rows(4), lambda r: {"x": _convert(r)["x"].to(dev)}, dev) as p:
+    with PackPrefetcher(_rows(4), lambda r: ({"x": _convert(r)[0]["x"].to(dev)}, None), dev) as p:
         while (item := p.next()) is not None:
             assert item[1]["x"].device.type == "cuda"
             assert (item[1]["x"] == float(item[0].split(":")[1])).all()

@@ -130,11 +130,11 @@ def test_the_training_loop_reads_its_shard_in_one_pass(ray_local, tmp_path):
         return {"key": f"0:{row['id']}", "x": row["id"]}
 
     ds = ray.data.range(8, override_num_blocks=8).map(load)
-    convert = lambda row: {"x": torch.tensor([int(row["x"])])}  # noqa: E731
+    convert = lambda row: ({"x": torch.tensor([int(row["x"])])}, None)  # noqa: E731
     taken = []
     with PackPrefetcher(pack_stream(ds.iterator()), convert, torch.device("cpu"), skip=frozenset({"0:2"})) as rows:
         while (item := rows.next()) is not None:
-            key, batch = item
+            key, batch, _ = item
             assert key == f"0:{int(batch['x'])}"
             taken.append(key)
         assert rows.next() is None

@@ -363,3 +363,45 @@ def test_served_tau_counts_targets_outside_the_draft_vocab_as_misses():
         served += chain
     assert m["tau_served"] == pytest.approx(served)
     assert m["tau_served"] < m["tau"]
+
+
+def test_window_metrics_are_the_mean_of_each_steps_metrics():
+    """The training loop keeps each step's stats on the device and reads a logging window back in one
+    sync (mean_metrics); the figures are those of averaging every step's own metrics."""
+    from eagle3_ray.drafter.ttt import mean_metrics
+
+    d = _drafter(seed=5)
+    w = _lm_head(d, seed=5)
+    outs = [ttt_forward(d, _pack([_sample(n, 40 + n)]), w, ttt_steps=3, loss_decay=0.7) for n in (12, 7, 9)]
+    expected = {k: sum(o.metrics[k] for o in outs) / 3 for k in outs[0].metrics}
+    got = mean_metrics([o.stats for o in outs], 0.7)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+    assert not outs[0].stats.requires_grad
+
+
+def test_packed_rows_are_laid_out_on_the_host_as_ttt_forward_would():
+    """row_to_batch(row_tokens=R) splits a pack into rows before its device copy; the batch is the
+    one ttt_forward(row_tokens=R) builds from the packed row, so the step needs no device sync."""
+    import numpy as np
+
+    from eagle3_ray.features.record import bf16_to_uint16
+    from eagle3_ray.train.data import row_to_batch
+
+    packed = _pack([_sample(n, 60 + n) for n in (9, 4, 7, 3, 6)])
+    row = {}
+    for k, v in packed.items():
+        v = v[0]
+        if k.endswith("_hidden"):
+            row[k] = [bf16_to_uint16(v.to(torch.bfloat16))]
+        else:
+            row[k] = [v.numpy().astype(np.bool_ if k == "loss_mask" else np.int64)]
+    whole = row_to_batch(row, torch.device("cpu"), torch.float32)
+    rows = row_to_batch(row, torch.device("cpu"), torch.float32, row_tokens=10)
+    assert whole["seq_ids"].shape == (1, 29) and rows["seq_ids"].shape == (3, 10)
+    expected = split_rows(whole, 10)
+    assert rows.keys() == expected.keys()
+    for k in rows:
+        assert rows[k].dtype == expected[k].dtype, k
+        torch.testing.assert_close(rows[k], expected[k], rtol=0, atol=0)

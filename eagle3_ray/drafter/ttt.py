@@ -21,6 +21,7 @@ in block j) with one of two equivalent implementations:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,8 +37,22 @@ BATCH_KEYS = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_i
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # scalar, with grad
-    # loss, tau, tokens, and per step i: loss_i, acc_i, tokens_i (valid positions). Python floats.
-    metrics: dict[str, float]
+    # Per TTT step: (ce_i, acc_i, count_i, served_acc_i), detached, on the batch's device.
+    stats: torch.Tensor
+    loss_decay: float
+
+    @functools.cached_property
+    def metrics(self) -> dict[str, float]:
+        """loss, tau, tau_served, tokens, and per step i: loss_i, acc_i, tokens_i (valid
+        positions). Python floats: the first access waits for the device (one host sync); a
+        training loop can keep `stats` and convert a whole logging window at once (`mean_metrics`)."""
+        return _metrics(self.stats.tolist(), self.loss_decay)
+
+
+def mean_metrics(stats: list[torch.Tensor], loss_decay: float) -> dict[str, float]:
+    """The mean over steps of each step's `TTTOutput.metrics`, from their `stats`, in one host sync."""
+    per_step = [_metrics(s, loss_decay) for s in torch.stack(stats).tolist()]
+    return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
 
 
 def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -278,7 +293,7 @@ def ttt_forward(
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
         scored = (_shift(loss_mask, i, False) & _same_sample(seq, ahead)).float().sum()
         stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
-    return TTTOutput(loss=total, metrics=_metrics(torch.stack(stats).tolist(), loss_decay))
+    return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay)
 
 
 def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:

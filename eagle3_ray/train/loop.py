@@ -89,10 +89,12 @@ def resolve_attention(setting: str, device_type: str) -> str:
 
 
 def _all_have_data(has: bool, device: torch.device) -> bool:
-    """Every rank must take the same number of steps; stop all when any rank runs dry."""
+    """Every rank must take the same number of steps; stop all when any rank runs dry. (A vote on
+    the device: it waits for the rank's queued steps. One worker needs no vote.)"""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return has
     flag = torch.tensor([1.0 if has else 0.0], device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item() > 0)
 
 
@@ -171,7 +173,6 @@ def train_func(job_dict: dict[str, Any]) -> None:
     import deepspeed
     import ray.train
 
-    from eagle3_ray.train.data import row_to_batch
     from eagle3_ray.train.prefetch import PackPrefetcher
     from eagle3_ray.train.schedule import warmup_cosine
 
@@ -205,7 +206,7 @@ def train_func(job_dict: dict[str, Any]) -> None:
 
     # Packs are fetched and copied to the device on a background thread while the step runs.
     prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")),
-                              lambda row: row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype),
+                              lambda row: _convert(row, device, hidden_dtype, t["row_tokens"] if attention == "sdpa" else None),
                               device, skip=frozenset(consumed), depth=t["prefetch_packs"])
     try:
         _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path)
@@ -213,17 +214,24 @@ def train_func(job_dict: dict[str, Any]) -> None:
         prefetch.close()
 
 
+def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tokens: int | None):
+    """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
+    from eagle3_ray.train.data import row_to_batch
+
+    return row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype, row_tokens), len(row["input_ids"])
+
+
 def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
           attention: str, device: torch.device, metrics_path: Path) -> None:
     import ray.train
 
-    from eagle3_ray.drafter.ttt import ttt_forward
+    from eagle3_ray.drafter.ttt import mean_metrics, ttt_forward
 
     t = job.train
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    window: dict[str, float] = {}
-    window_n, tokens, wait, t0 = 0, 0, 0.0, time.monotonic()
+    window: list[torch.Tensor] = []  # each step's TTT stats, read back once per logged step
+    tokens, wait, t0 = 0, 0.0, time.monotonic()
     micro, saved_step = 0, step
     last_metrics: dict[str, float] = {}
     while step < max_steps:
@@ -232,23 +240,21 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
         wait += time.monotonic() - t_wait
         if not _all_have_data(item is not None, device):
             break
-        key, batch = item
+        key, batch, pack_tokens = item
         consumed.add(key)
         out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
-                          pad_to=t["batch_tokens"], row_tokens=t["row_tokens"])
+                          pad_to=t["batch_tokens"])  # sdpa rows: laid out by the prefetch thread
         engine.backward(out.loss)
         engine.step()
         micro += 1
-        tokens += int(batch["input_ids"].numel())
-        for k, v in out.metrics.items():
-            window[k] = window.get(k, 0.0) + float(v)
-        window_n += 1
+        tokens += pack_tokens
+        window.append(out.stats)
         if micro % t["grad_accum"]:
             continue
         step += 1
         if step % t["log_every"] == 0 or step == max_steps:
             elapsed = time.monotonic() - t0
-            m = {k: v / window_n for k, v in window.items()}
+            m = mean_metrics(window, t["loss_decay"])
             m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
             m["input_wait"] = wait / max(elapsed, 1e-9)  # share of the time spent waiting for packs
             m = _mean_over_ranks(m, device)
@@ -269,7 +275,7 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
             # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
             # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
             # and Ray Train gets them with every checkpoint.
-            window, window_n, tokens, wait, t0 = {}, 0, 0, 0.0, time.monotonic()
+            window, tokens, wait, t0 = [], 0, 0.0, time.monotonic()
         if step % t["checkpoint_every"] == 0 or step == max_steps:
             _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
             saved_step = step

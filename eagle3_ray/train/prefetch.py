@@ -28,14 +28,15 @@ class _Failure:
 
 
 class PackPrefetcher:
-    """Iterate (key, batch) over `rows`, `depth` packs ahead, skipping keys in `skip`.
+    """Iterate (key, batch, info) over `rows`, `depth` packs ahead, skipping keys in `skip`.
 
-    `convert(row) -> dict[str, Tensor]` runs on the prefetch thread (on CUDA inside a side stream);
-    an exception there is raised by `next()` on the training thread. `next()` returns None at the
-    end of the rows. Call `close()` (or use as a context manager) to stop the thread early.
+    `convert(row) -> (batch: dict[str, Tensor], info)` runs on the prefetch thread (on CUDA inside a
+    side stream; `info` is anything host-side, e.g. the pack's token count); an exception there is
+    raised by `next()` on the training thread. `next()` returns None at the end of the rows. Call
+    `close()` (or use as a context manager) to stop the thread early.
     """
 
-    def __init__(self, rows: Iterable[dict], convert: Callable[[dict], dict[str, torch.Tensor]],
+    def __init__(self, rows: Iterable[dict], convert: Callable[[dict], tuple[dict[str, torch.Tensor], Any]],
                  device: torch.device, skip: frozenset[str] = frozenset(), depth: int = 2):
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
@@ -57,12 +58,12 @@ class PackPrefetcher:
                 event = None
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
-                        batch = convert(row)
+                        batch, info = convert(row)
                         event = torch.cuda.Event()
                         event.record(self._stream)
                 else:
-                    batch = convert(row)
-                if not self._put((key, batch, event)):
+                    batch, info = convert(row)
+                if not self._put((key, batch, info, event)):
                     return
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
@@ -77,7 +78,7 @@ class PackPrefetcher:
                 continue
         return False
 
-    def next(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+    def next(self) -> tuple[str, dict[str, torch.Tensor], Any] | None:
         if self._done:
             return None
         item = self._q.get()
@@ -87,13 +88,13 @@ class PackPrefetcher:
         if isinstance(item, _Failure):
             self._done = True
             raise item.error
-        key, batch, event = item
+        key, batch, info, event = item
         if event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(event)
             for t in batch.values():
                 t.record_stream(stream)
-        return key, batch
+        return key, batch, info
 
     def close(self) -> None:
         self._stop.set()
