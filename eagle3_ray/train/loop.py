@@ -253,8 +253,8 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
             continue
         step += 1
         if step % t["log_every"] == 0 or step == max_steps:
-            elapsed = time.monotonic() - t0
-            m = mean_metrics(window, t["loss_decay"])
+            m = mean_metrics(window, t["loss_decay"])  # waits for the window's steps to finish
+            elapsed = time.monotonic() - t0  # so measured after that wait: the window's real time
             m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
             m["input_wait"] = wait / max(elapsed, 1e-9)  # share of the time spent waiting for packs
             m = _mean_over_ranks(m, device)
