@@ -140,3 +140,35 @@ def test_the_training_loop_reads_its_shard_in_one_pass(ray_local, tmp_path):
         assert rows.next() is None
     assert sorted(taken) == sorted(f"0:{i}" for i in range(8) if i != 2)
     assert len(log.read_text().split()) == 8  # every row loaded once: one execution
+
+
+def _vote_worker(rank: int, world: int, init: str, has: list[bool], out: str) -> None:
+    import torch.distributed as dist
+
+    from eagle3_ray.train.loop import _all_have_data, _vote_group
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        group = _vote_group()
+        votes = [_all_have_data(h, group) for h in has[rank::world]]
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(votes, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_stop_together_when_any_runs_out_of_packs(tmp_path):
+    """The per-step has-data vote (gloo, on the host): a rank that runs dry stops every rank, so an
+    uneven shard never leaves the others waiting in a collective; one worker votes alone."""
+    import torch.multiprocessing as mp
+
+    from eagle3_ray.train.loop import _all_have_data, _vote_group
+
+    # per step, interleaved by rank: both have data, both, then rank 1 runs dry
+    has = [True, True, True, True, True, False]
+    out = str(tmp_path / "votes")
+    mp.spawn(_vote_worker, args=(2, f"file://{tmp_path / 'store'}", has, out), nprocs=2)
+    for rank in (0, 1):
+        assert json.loads(open(f"{out}.{rank}").read()) == [True, True, False]
+    assert _vote_group() is None  # no process group here: nothing to vote with
+    assert _all_have_data(False, None) is False and _all_have_data(True, None) is True

@@ -88,14 +88,21 @@ def resolve_attention(setting: str, device_type: str) -> str:
     return setting
 
 
-def _all_have_data(has: bool, device: torch.device) -> bool:
-    """Every rank must take the same number of steps; stop all when any rank runs dry. (A vote on
-    the device: it waits for the rank's queued steps. One worker needs no vote.)"""
+def _vote_group():
+    """The process group of the per-step has-data vote: gloo, on the host. Through NCCL the vote's
+    `.item()` would wait for every step the rank has queued on its GPU. None for one worker."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
+def _all_have_data(has: bool, group) -> bool:
+    """Every rank must take the same number of steps; stop all when any rank runs dry."""
+    if group is None:
         return has
-    flag = torch.tensor([1.0 if has else 0.0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item() > 0)
+    flag = torch.tensor([1 if has else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -209,7 +216,8 @@ def train_func(job_dict: dict[str, Any]) -> None:
                               lambda row: _convert(row, device, hidden_dtype, t["row_tokens"] if attention == "sdpa" else None),
                               device, skip=frozenset(consumed), depth=t["prefetch_packs"])
     try:
-        _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path)
+        _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path,
+              _vote_group())
     finally:
         prefetch.close()
 
@@ -222,7 +230,7 @@ def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tok
 
 
 def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
-          attention: str, device: torch.device, metrics_path: Path) -> None:
+          attention: str, device: torch.device, metrics_path: Path, vote_group) -> None:
     import ray.train
 
     from eagle3_ray.drafter.ttt import mean_metrics, ttt_forward
@@ -238,7 +246,7 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
         t_wait = time.monotonic()
         item = prefetch.next()
         wait += time.monotonic() - t_wait
-        if not _all_have_data(item is not None, device):
+        if not _all_have_data(item is not None, vote_group):
             break
         key, batch, pack_tokens = item
         consumed.add(key)
