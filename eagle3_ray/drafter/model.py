@@ -357,7 +357,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A zero placeholder until bind_embedding: no random init of a table that is replaced anyway
+        # (128K x 4096 at the 8B shape, 164K x 7168 at Kimi-K2.5: seconds of serial CPU RNG per worker).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.zeros(config.vocab_size, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = DrafterLayer(config)

@@ -63,14 +63,15 @@ def _build_drafter(job: TrainJob, device: torch.device):
     cfg = DrafterConfig.from_dict(job.drafter_config)
     drafter = Eagle3Drafter(cfg)
     embed, lm_head = load_target_heads(job.heads_path)
-    drafter.bind_embedding(embed.float())
     d2t, t2d, _ = load_vocab_map(job.vocab_path)
     drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
     if job.train.get("init_from"):
         state = init_drafter_from(job.train["init_from"], cfg)
         drafter.load_state_dict(state, strict=False)
     dtype = torch.bfloat16 if job.use_gpu else torch.float32
-    return drafter.to(device), lm_head.to(device=device, dtype=dtype)
+    drafter.to(device)
+    drafter.bind_embedding(embed.to(device).float())  # widened on the device, not in host memory
+    return drafter, lm_head.to(device=device, dtype=dtype)
 
 
 def resolve_attention(setting: str, device_type: str) -> str:
