@@ -316,7 +316,7 @@ def test_flex_attention_computes_the_same_ttt_loss():
 def test_block_mask_is_the_dense_mask_over_a_fixed_length_cache():
     from torch.nn.attention.flex_attention import create_mask
 
-    from eagle3_ray.drafter.ttt import split_rows, ttt_block_mask
+    from eagle3_ray.drafter.ttt import ttt_block_mask
 
     seq = torch.tensor([[0, 0, 0, 1, 1, -1]])
     steps = 3
