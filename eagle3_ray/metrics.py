@@ -12,6 +12,7 @@ records nothing, so the compute core and plain scripts can call these freely.
     eagle3_extract_tokens_per_s  gauge  tokens/s of one engine actor's last batch
     eagle3_train_loss / eagle3_train_tau(_served) / eagle3_train_acc{ttt_step}  gauges, last logged step
     eagle3_train_step     gauge    optimizer step
+    eagle3_train_tokens_per_s / eagle3_train_input_wait  gauges, last logging window
     eagle3_bench_tau{mode}  gauge  acceptance length of a benchmark mode
 """
 
@@ -33,6 +34,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "train_tau_served": ("gauge", "Simulated acceptance counting targets outside the draft vocab as misses.", ()),
     "train_acc": ("gauge", "Top-1 accuracy of one TTT step at the last logged step.", ("ttt_step",)),
     "train_step": ("gauge", "Optimizer steps taken.", ()),
+    "train_tokens_per_s": ("gauge", "Training tokens/s over the last logging window, all workers.", ()),
+    "train_input_wait": ("gauge", "Share of the last logging window the step loop waited for packs.", ()),
     "bench_tau": ("gauge", "Measured acceptance length of one speculative-decoding mode.", ("mode",)),
 }
 
@@ -79,6 +82,9 @@ def record_train_step(metrics: dict[str, float], run: str, ttt_steps: int) -> No
     set_gauge("train_step", metrics["step"], run, "train")
     set_gauge("train_loss", metrics["loss"], run, "train")
     set_gauge("train_tau", metrics["tau"], run, "train")
+    for key in ("tokens_per_s", "input_wait"):
+        if key in metrics:
+            set_gauge(f"train_{key}", metrics[key], run, "train")
     if "tau_served" in metrics:
         set_gauge("train_tau_served", metrics["tau_served"], run, "train")
     for i in range(ttt_steps):

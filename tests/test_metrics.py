@@ -71,3 +71,16 @@ def test_extraction_metrics_reach_the_prometheus_endpoint(local_head, tmp_path):
     rates = [v for n, t, v in series if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == RUN]
     assert rates and all(v > 0 for v in rates)
 
+
+
+def test_a_logged_training_step_sets_its_gauges(ray_local):
+    """Throughput and input wait go to Prometheus with loss, tau and accuracies (an operator's
+    dashboard shows whether training is compute- or input-bound)."""
+    from eagle3_ray import metrics
+
+    m = {"step": 10, "loss": 3.0, "tau": 1.5, "tau_served": 1.4, "acc_0": 0.5, "acc_1": 0.3,
+         "tokens_per_s": 1234.0, "input_wait": 0.02}
+    metrics.record_train_step(m, "gauges-test", ttt_steps=2)
+    for name in ("train_step", "train_loss", "train_tau", "train_tau_served", "train_acc",
+                 "train_tokens_per_s", "train_input_wait"):
+        assert name in metrics._cache, name
