@@ -394,9 +394,9 @@ def test_packed_rows_are_laid_out_on_the_host_as_ttt_forward_would():
     for k, v in packed.items():
         v = v[0]
         if k.endswith("_hidden"):
-            row[k] = [bf16_to_uint16(v.to(torch.bfloat16))]
+            row[k] = bf16_to_uint16(v.to(torch.bfloat16))
         else:
-            row[k] = [v.numpy().astype(np.bool_ if k == "loss_mask" else np.int64)]
+            row[k] = v.numpy().astype(np.bool_ if k == "loss_mask" else np.int64)
     whole = row_to_batch(row, torch.device("cpu"), torch.float32)
     rows = row_to_batch(row, torch.device("cpu"), torch.float32, row_tokens=10)
     assert whole["seq_ids"].shape == (1, 29) and rows["seq_ids"].shape == (3, 10)

@@ -11,7 +11,16 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from eagle3_ray.errors import ConfigError
+from eagle3_ray.errors import ConfigError, EngineError
+
+
+def check_generate_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """The sampling arguments every backend's ``generate`` takes, checked the same way."""
+    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise EngineError(
+            f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
+            "max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
+        )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

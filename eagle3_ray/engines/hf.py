@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 from eagle3_ray.config import TargetConfig
-from eagle3_ray.engines.base import Capture, EngineInfo, resolve_aux_layers
+from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, resolve_aux_layers
 from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerprint
 from eagle3_ray.errors import EngineError
 
@@ -178,11 +178,7 @@ class HFEngine:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[list[int]]:
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise EngineError(
-                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
-                "max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
-            )
+        check_generate_args(max_new_tokens, temperature, top_p)
         seqs = [self._as_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         if not seqs:
             return []

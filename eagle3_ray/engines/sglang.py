@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.drafter.export import translate_aux_ids
-from eagle3_ray.engines.base import Capture, EngineInfo
+from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
 from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, capture_path
 from eagle3_ray.errors import ConfigError, EngineError
 
@@ -309,11 +309,7 @@ class SGLangEngine:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[list[int]]:
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise EngineError(
-                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
-                "max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
-            )
+        check_generate_args(max_new_tokens, temperature, top_p)
         if not prompts:
             return []
         params = [generate_sampling(max_new_tokens, temperature, top_p, seed + i) for i in range(len(prompts))]

@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from eagle3_ray.engines.hf import cut_at_eos
+from eagle3_ray.engines.base import check_generate_args
 from eagle3_ray.errors import EngineError
 from eagle3_ray.spec.static import SlotLayer, Slots
 from eagle3_ray.spec.target import MASKABLE_ATTENTION, cache_api
@@ -154,11 +155,10 @@ class StaticBatchGenerator:
         Sampling draws from torch's default generator of the model's device: seed it before."""
         if not prompts:
             return []
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or any(len(p) == 0 for p in prompts):
-            raise EngineError(
-                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}): need "
-                "non-empty prompts, max_new_tokens >= 1, temperature >= 0 (0 = greedy), 0 < top_p <= 1"
-            )
+        check_generate_args(max_new_tokens, temperature, top_p)
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            raise EngineError(f"generate: prompts {empty} are empty; need non-empty prompts (one token at least)")
         out: list[list[int] | None] = [None] * len(prompts)
         for group in self._groups([len(p) for p in prompts], max_new_tokens):
             for i, row in zip(group, self._generate([prompts[i] for i in group], max_new_tokens, temperature, top_p)):

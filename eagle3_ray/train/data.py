@@ -60,7 +60,8 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
 
 
 def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: int | None = None) -> dict:
-    """One packed row (numpy, bf16 as uint16) -> `ttt_forward` batch tensors on `device`.
+    """One packed row as the shard yields it (numpy, bf16 as uint16) -> `ttt_forward` batch tensors
+    on `device`.
 
     [1, N] as packed; with `row_tokens` (sdpa) already laid out as [B, R] rows of whole samples
     (`split_rows`), done here on the host so the training step does not wait for the device to
@@ -71,17 +72,10 @@ def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: i
     from eagle3_ray.drafter.ttt import split_rows
     from eagle3_ray.features.record import uint16_to_bf16
 
-    def arr(k):
-        a = row[k]
-        return a[0]
-
-    out = {}
-    for k in ("aux_hidden", "last_hidden"):
-        out[k] = uint16_to_bf16(np.ascontiguousarray(arr(k)))[None]
-    out["input_ids"] = torch.from_numpy(np.asarray(arr("input_ids"), dtype=np.int64))[None]
-    out["loss_mask"] = torch.from_numpy(np.asarray(arr("loss_mask"), dtype=np.bool_))[None]
-    out["position_ids"] = torch.from_numpy(np.asarray(arr("position_ids"), dtype=np.int64))[None]
-    out["seq_ids"] = torch.from_numpy(np.asarray(arr("seq_ids"), dtype=np.int64))[None]
+    out = {k: uint16_to_bf16(np.ascontiguousarray(row[k]))[None] for k in ("aux_hidden", "last_hidden")}
+    for k, dtype in (("input_ids", np.int64), ("loss_mask", np.bool_), ("position_ids", np.int64),
+                     ("seq_ids", np.int64)):
+        out[k] = torch.from_numpy(np.asarray(row[k], dtype=dtype))[None]
     if row_tokens:
         out = split_rows(out, row_tokens)
     return {k: v.to(device=device, dtype=hidden_dtype if k.endswith("_hidden") else v.dtype)

@@ -227,7 +227,7 @@ def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tok
     """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
     from eagle3_ray.train.data import row_to_batch
 
-    return row_to_batch({k: [v] for k, v in row.items()}, device, hidden_dtype, row_tokens), len(row["input_ids"])
+    return row_to_batch(row, device, hidden_dtype, row_tokens), len(row["input_ids"])
 
 
 def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
