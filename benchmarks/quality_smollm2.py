@@ -115,13 +115,49 @@ def synthetic_prompts(engine, tok, a) -> list:
     return out[: a.synthetic_prompts]
 
 
-def featurize(engine, tok, convs, a):
+_TOKENIZE: tuple = ()  # (tokenizer, conversations, max_length) for the forked tokenizer processes
+
+
+def _tokenize_one(i: int):
     from eagle3_ray.data.chat import tokenize_conversation
     from eagle3_ray.errors import SampleRejected
 
+    tok, convs, max_length = _TOKENIZE
+    try:
+        c = tokenize_conversation(tok, convs[i], max_length, truncate=True)
+    except SampleRejected:
+        return None
+    return np.asarray(c.input_ids, dtype=np.int32), np.asarray(c.loss_mask, dtype=np.uint8)
+
+
+def tokenize_all(tok, convs, order, max_length, procs):
+    """Tokenized (input_ids, loss_mask) of convs[i] for i in order (None where rejected); the chat
+    template renders in Python, so large sets tokenize in forked processes (67K conversations took
+    82 s in one)."""
+    global _TOKENIZE
+    _TOKENIZE = (tok, convs, max_length)
+    if procs <= 1 or len(order) < 2000:
+        return [_tokenize_one(i) for i in order]
+    import multiprocessing as mp
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the children tokenize one text at a time
+    with mp.get_context("fork").Pool(procs) as pool:  # children never touch CUDA
+        try:
+            return pool.map_async(_tokenize_one, order, chunksize=256).get(timeout=180)
+        except mp.TimeoutError:  # a child stuck on a lock inherited through fork: do it here instead
+            log("forked tokenizers timed out; tokenizing in this process")
+    return [_tokenize_one(i) for i in order]
+
+
+def featurize(engine, tok, convs, a):
+    import os
+
+    from eagle3_ray.engines.hf import plan_groups
+
     dev = engine.target.device
     # Features stay on the training device: cap the tokens at a share of its free memory, taking a
-    # random share of the conversations (not the tail of the mix) and tokenizing only those.
+    # random share of the conversations (not the tail of the mix).
     hidden = engine.target.model.config.hidden_size
     per_token = (len(engine.info.aux_layers) + 1) * hidden * 2  # bf16 aux + last hidden
     if dev.type == "cuda":
@@ -132,36 +168,44 @@ def featurize(engine, tok, convs, a):
     order = list(range(len(convs)))
     random.Random(0).shuffle(order)
     t = time.perf_counter()
+    procs = min(16, os.cpu_count() or 1)
     toks, groups, n = [], [], 0
-    for i in order:
-        s = convs[i]
-        try:
-            c = tokenize_conversation(tok, s, a.max_length, truncate=True)
-        except SampleRejected:
+    for i, c in zip(order, tokenize_all(tok, convs, order, a.max_length, procs)):
+        if c is None:
             continue
-        if n + len(c.input_ids) > budget:
+        if n + len(c[0]) > budget:
             log(f"features of {len(toks)} of {len(convs)} conversations fit {a.feature_memory:.0%} of free device "
                 f"memory ({budget:,} tokens); the rest are left out")
             break
-        n += len(c.input_ids)
+        n += len(c[0])
         toks.append(c)
-        groups.append(s.sample_id.split("#")[0])  # sampled answers share their prompt's group
-    log(f"tokenized {len(toks)} conversations in {time.perf_counter() - t:.0f}s")
+        groups.append(convs[i].sample_id.split("#")[0])  # sampled answers share their prompt's group
+    log(f"tokenized {len(toks)} conversations in {time.perf_counter() - t:.0f}s ({procs} processes)")
     t = time.perf_counter()
-    records = []
-    for start in range(0, len(toks), 256):
-        chunk = toks[start : start + 256]
-        caps = engine.capture([c.input_ids for c in chunk])
-        for c, g, cap in zip(chunk, groups[start : start + 256], caps):
-            records.append({
-                "group": g,
-                "input_ids": torch.tensor(c.input_ids), "loss_mask": torch.tensor(c.loss_mask, dtype=torch.uint8),
-                # Kept on the training device: no host-to-device copy per training step. A copy, not
-                # the capture's view: a view would keep its whole padded batch alive.
-                "aux_hidden": cap.aux_hidden.to(device=dev, dtype=torch.bfloat16, copy=True),
-                "last_hidden": cap.last_hidden.to(device=dev, dtype=torch.bfloat16, copy=True),
-            })
-        del caps
+    records: list = [None] * len(toks)
+    # The target's forward straight into device copies (engine.capture would bring them to the host,
+    # as extraction needs, and this script would copy them back).
+    with torch.no_grad():  # not inference mode: training saves these features for backward
+        for group in plan_groups([len(c[0]) for c in toks], 65536):
+            width = len(toks[group[0]][0])  # longest first
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(group):
+                ids[row, : len(toks[i][0])] = torch.from_numpy(toks[i][0])
+                mask[row, : len(toks[i][0])] = 1
+            aux, last = engine.forward_states(ids, mask)
+            for row, i in enumerate(group):
+                m = len(toks[i][0])
+                records[i] = {
+                    "group": groups[i],
+                    "input_ids": torch.from_numpy(toks[i][0]).long(),
+                    "loss_mask": torch.from_numpy(toks[i][1]),
+                    # Kept on the training device: no host-to-device copy per training step. Copies,
+                    # not views: a view would keep its whole padded batch alive.
+                    "aux_hidden": aux[row, :m].to(dtype=torch.bfloat16, copy=True),
+                    "last_hidden": last[row, :m].to(dtype=torch.bfloat16, copy=True),
+                }
+            del aux, last
     n = sum(r["input_ids"].numel() for r in records)
     log(f"captured {len(records)} samples, {n:,} tokens in {time.perf_counter() - t:.0f}s")
     return records

@@ -64,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run-cap-s", type=float, default=100, help="no single run longer, whatever the budget left")
     ap.add_argument("--train-only", action="store_true",
                     help="training scaling only: one 1-actor extraction builds the store, no N-actor run")
+    ap.add_argument("--extract-only", action="store_true", help="no training runs")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--md", help="also write a markdown summary here")
     ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. extract.concurrent_batches=3")
@@ -202,20 +203,44 @@ def _extract_task(cfg, prepared: str, store: str) -> None:
     run_extract(cfg, prepared, store)
 
 
-def commits(store: Path) -> list[tuple[float, int]]:
-    """(commit time, tokens) of every completed shard, oldest first."""
-    marks = (store / "shards").glob("*.done.json")
-    return sorted((p.stat().st_mtime, int(json.loads(p.read_text())["tokens"])) for p in marks)
+def commits(store: Path) -> list[tuple[float, int, str]]:
+    """(commit time, tokens, producer) of every completed shard, oldest first; the producer (host:pid
+    in the marker) is the engine actor that wrote it."""
+    out = []
+    for p in (store / "shards").glob("*.done.json"):
+        m = json.loads(p.read_text())
+        out.append((p.stat().st_mtime, int(m["tokens"]), str(m.get("producer", "?"))))
+    return sorted(out)
 
 
-def steady_rate(marks: list[tuple[float, int]], actors: int) -> float | None:
+def steady_rate(marks: list[tuple], actors: int) -> float | None:
     """Tokens/s between the `actors`-th commit and the `actors`-th last one: by then every actor has
-    committed once (warm), and until then none has run out of work. Shard names carry no actor id."""
+    committed once (warm), and until then none has run out of work."""
     first, last = actors - 1, len(marks) - actors
     if last <= first:
         return None
     span = marks[last][0] - marks[first][0]
-    return sum(tok for _, tok in marks[first + 1:last + 1]) / span if span > 0 else None
+    return sum(m[1] for m in marks[first + 1:last + 1]) / span if span > 0 else None
+
+
+def per_writer(marks: list[tuple], start: float) -> dict:
+    """Each actor's own steady rate (its first to its last commit), its start and end relative to
+    the run's start, and the rate of the window where every actor was committing: separates a slower
+    actor (shared host) from actors that start late or finish early (stagger, uneven split)."""
+    writers: dict[str, list[tuple]] = {}
+    for m in marks:
+        writers.setdefault(m[2], []).append(m)
+    out = {}
+    for w, ms in sorted(writers.items()):
+        span = ms[-1][0] - ms[0][0]
+        out[w] = {"shards": len(ms), "tokens": sum(m[1] for m in ms),
+                  "first_commit_s": round(ms[0][0] - start, 2), "last_commit_s": round(ms[-1][0] - start, 2),
+                  "tokens_per_s": sum(m[1] for m in ms[1:]) / span if span > 0 else None}
+    lo = max(ms[0][0] for ms in writers.values()) if writers else 0.0
+    hi = min(ms[-1][0] for ms in writers.values()) if writers else 0.0
+    inside = sum(m[1] for m in marks if lo < m[0] <= hi)
+    return {"writers": out, "overlap_s": round(hi - lo, 2),
+            "overlap_tokens_per_s": inside / (hi - lo) if hi > lo else None}
 
 
 def samples_per_gpu(a: argparse.Namespace, root: Path, hidden: int) -> tuple[int, str | None]:
@@ -252,16 +277,19 @@ def extract_run(a, n: int, root: Path, samples: int, vocab: int, cap: float) -> 
     start = time.time()
     out = run_capped(_extract_task, (cfg, str(prepared), str(store)), cap)
     marks = commits(store) if (store / "shards").is_dir() else []
-    tokens = sum(t for _, t in marks)
+    tokens = sum(m[1] for m in marks)
     run = {
         "actors": n, "samples": n * samples, "status": out.status, "seconds": out.seconds,
         "error": out.error, "shards": len(marks), "tokens": tokens,
         "steady_tokens_per_s": steady_rate(marks, n),
         "end_to_end_tokens_per_s": tokens / (marks[-1][0] - start) if marks else None,
-        "store": str(store),
+        "store": str(store), **per_writer(marks, start),
     }
     print(f"[scale] extract {n}: {_fmt(run['steady_tokens_per_s'])} tok/s steady, "
-          f"{_fmt(run['end_to_end_tokens_per_s'])} end to end, {out.status} in {out.seconds}s", flush=True)
+          f"{_fmt(run['end_to_end_tokens_per_s'])} end to end, {out.status} in {out.seconds}s; per actor "
+          + ", ".join(f"{w['tokens_per_s'] and round(w['tokens_per_s'])} tok/s ({w['first_commit_s']}-"
+                      f"{w['last_commit_s']}s)" for w in run["writers"].values())
+          + f"; all committing for {run['overlap_s']}s at {_fmt(run['overlap_tokens_per_s'])} tok/s", flush=True)
     return run
 
 
@@ -477,7 +505,8 @@ def main(argv=None) -> int:
     report = Report(a.json, target=a.target, gpus=a.gpus, seq=a.seq, hidden_size=info.hidden_size,
                     draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps, root=str(root), **machine(a),
                     command=" ".join([sys.executable, *sys.argv]), extract_runs=[], train_runs=[])
-    budget = Budget(a.budget_s, ["extract"] * (1 if a.train_only else 2) + ["vocab", "train", "train"], a.run_cap_s)
+    budget = Budget(a.budget_s, ["extract"] * (1 if a.train_only else 2)
+                    + ([] if a.extract_only else ["vocab", "train", "train"]), a.run_cap_s)
     init_ray(cfg.ray)
     store = None
     try:
@@ -485,7 +514,8 @@ def main(argv=None) -> int:
     except Exception as e:  # keep going: training has its own figure to report
         report["extract_error"] = f"{type(e).__name__}: {e}"
     try:
-        phase_train(a, root, store, info, budget, report)
+        if not a.extract_only:
+            phase_train(a, root, store, info, budget, report)
     except Exception as e:
         report["train_error"] = f"{type(e).__name__}: {e}"
     report.save()

@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +192,7 @@ def test_shards_are_plain_safetensors_readable_without_the_package(tmp_path):
     marker = json.loads(shard.with_name(shard.name.replace(".safetensors", ".done.json")).read_text())
     assert marker["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()
     assert marker["bytes"] == shard.stat().st_size and marker["sample_ids"] == ids
+    assert marker["producer"] == f"{socket.gethostname()}:{os.getpid()}"  # which process wrote it
     assert json.loads((tmp_path / "store_meta.json").read_text())["dtype"] == "bfloat16"
 
 

@@ -8,7 +8,8 @@ Layout (docs/feature-store.md has the full description, readable without this pa
                                              loss_mask uint8 [N]; n samples, N tokens in all
                                              (compact="fp8": the two hidden states in F8_E4M3 plus
                                              aux_hidden_scale f32 [N, 3], last_hidden_scale f32 [N, 1])
-    <root>/shards/<writer>-<seq>.done.json   completion marker: sample_ids, tokens, bytes, sha256
+    <root>/shards/<writer>-<seq>.done.json   completion marker: sample_ids, tokens, bytes, sha256,
+                                             producer (host:pid)
     <root>/rejects.jsonl                     {"sample_id", "source", "reason", "stage"} per line
 
 Many writer processes share one directory. None of them appends to a shared index: each shard is
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import re
+import socket
 import struct
 import uuid
 from collections import OrderedDict
@@ -542,6 +544,7 @@ class FeatureStoreWriter:
         nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta)
         tokens = sum(record_num_tokens(r) for r in self._buffer)
         marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": self.writer_id,
+                  "producer": f"{socket.gethostname()}:{os.getpid()}",  # which process wrote it (informational)
                   "sample_ids": ids, "num_samples": len(ids), "tokens": tokens, "bytes": nbytes, "sha256": sha}
         try:
             _write_atomic(_marker_path(shard), (json.dumps(marker) + "\n").encode())
