@@ -158,6 +158,15 @@ class TrainConfig(_Section):
     grad_clip: float = Field(0.5, gt=0.0)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after N optimizer steps.")
+    val_share: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Share of the feature store's samples held out of training (seeded "
+        "by `seed`); their simulated tau (val_tau, val_acc_0, val_loss in metrics.jsonl) shows over-fitting "
+        "as it happens. Offline mode only."
+    )
+    eval_every: int = Field(
+        200, ge=1, description="Optimizer steps between held-out evaluations (at the first logged step at or "
+        "after each multiple, and at the last step)."
+    )
     batch_tokens: int = Field(4096, ge=1, description="Tokens per micro-batch per worker (packing budget).")
     row_tokens: int | None = Field(
         2048, ge=1, description="sdpa attention: lay a pack out as rows of whole samples of about this many "

@@ -262,6 +262,9 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     from eagle3_ray.train.trainer import _use_gpu, build_job, fit
 
     hybrid = cfg.train.mode == "hybrid"
+    if cfg.train.val_share:
+        raise ConfigError(f"train.val_share={cfg.train.val_share} holds samples out of an offline feature store; "
+                          f"train.mode={cfg.train.mode} streams every prepared sample: set train.val_share=0")
     if hybrid and features is None:
         raise ConfigError("train.mode=hybrid writes the feature store during epoch 0: pass its directory")
     t0 = time.monotonic()

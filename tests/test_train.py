@@ -31,6 +31,48 @@ def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
     assert all(p.tokens <= 512 for p in packs)
 
 
+def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
+    from eagle3_ray.train.packing import holdout, plan, remap
+
+    keep, held = holdout(100, 0.1, seed=3)
+    assert len(held) == 10 and sorted(np.concatenate([keep, held]).tolist()) == list(range(100))
+    assert np.array_equal(held, holdout(100, 0.1, seed=3)[1]) and not np.array_equal(held, holdout(100, 0.1, 4)[1])
+    assert len(holdout(100, 0.0, 0)[1]) == 0 and len(holdout(2, 0.9, 0)[0]) == 1  # one of each at least
+    lengths = np.arange(100) + 10
+    packs = remap(plan(lengths[held], 64, 1, 0), held)
+    assert sorted(i for p in packs for i in p.samples) == held.tolist()
+    assert all(p.tokens == sum(int(lengths[i]) for i in p.samples) for p in packs)
+
+
+def test_held_out_samples_are_evaluated_and_never_trained_on(ci_tiny_inputs, tmp_path):
+    from eagle3_ray.train.checkpoint import read_train_state
+    from eagle3_ray.train.trainer import plan_training, run_training
+
+    over = ["train.val_share=0.25", "train.eval_every=2", "train.max_steps=3", "train.log_every=1"]
+    cfg = load_config(CI_CONFIG, over)
+    job, packs, store, val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab",
+                                                 tmp_path / "plan")
+    held = {i for p in val_packs for i in p.samples}
+    assert len(held) == round(0.25 * len(store)) and job.val_packs == len(val_packs)
+    assert not held & {i for p in packs for i in p.samples}
+    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
+    lines = _metrics(tmp_path / "train")
+    assert [m["step"] for m in lines if "val_tau" in m] == [2, 3]  # every 2 steps, and the last one
+    m = lines[-1]
+    assert 1.0 <= m["val_tau"] <= 1 + cfg.train.ttt_steps and m["val_loss"] > 0
+    assert m["val_tokens"] == sum(p.tokens for p in val_packs)  # every held-out pack, once
+    assert read_train_state(ckpt)["identity"]["val_share"] == 0.25
+
+
+def test_online_training_refuses_a_held_out_share(tmp_path):
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.online import run_online_training
+
+    cfg = load_config(CI_CONFIG, ["train.mode=online", "train.val_share=0.1"])
+    with pytest.raises(ConfigError, match="train.val_share=0"):
+        run_online_training(cfg, tmp_path / "prepared", tmp_path / "vocab", tmp_path / "out")
+
+
 @pytest.fixture(scope="module")
 def trained_4_steps(ci_tiny_inputs, tmp_path_factory):
     """(out, final checkpoint name) of one 4-step ci-tiny training; tests work on copies of `out`."""
@@ -94,10 +136,16 @@ def test_two_workers_train_with_deepspeed_zero1_on_gloo(ci_tiny_inputs, tmp_path
     from eagle3_ray.train.checkpoint import read_train_state
     from eagle3_ray.train.trainer import run_training
 
-    cfg = load_config(CI_CONFIG, ["train.num_workers=2", "train.max_steps=2", "train.log_every=1"])
+    cfg = load_config(CI_CONFIG, ["train.num_workers=2", "train.max_steps=2", "train.log_every=1",
+                                  "train.val_share=0.25", "train.eval_every=1"])
     ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
     assert read_train_state(ckpt)["step"] == 2
     assert sorted(p.name for p in (ckpt / "data_state").iterdir()) == ["rank-0.json", "rank-1.json"]
+    # The held-out packs are split over the two ranks and their sums added: every token counted once.
+    from eagle3_ray.train.trainer import plan_training
+
+    val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "plan")[3]
+    assert [m["val_tokens"] for m in _metrics(tmp_path / "train")] == [sum(p.tokens for p in val_packs)] * 2
 
 
 def test_train_refuses_a_vocab_map_of_another_size(ci_tiny_inputs, tmp_path):

@@ -45,7 +45,10 @@ def pack_rows(packs: list[Pack]) -> list[dict]:
     return [{"key": p.key, "samples": np.asarray(p.samples, dtype=np.int64)} for p in packs]
 
 
-def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loaders: int = 2):
+def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loaders: int = 2,
+                        num_cpus: float | None = None):
+    """Packed rows of `packs` read from the store by up to `loaders` LoadPackUDF actors (each
+    reserving `num_cpus`, Ray Data's default when None)."""
     import ray
 
     rows = pack_rows(packs)
@@ -56,6 +59,7 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=loaders),
         batch_size=1,
         batch_format="numpy",
+        **({} if num_cpus is None else {"num_cpus": num_cpus}),
     )
 
 

@@ -34,6 +34,8 @@ class TrainJob:
     use_gpu: bool = False
     run: str = ""  # config `name`: the `run` tag of the dashboard metrics
     resume_from: str | None = None  # newest checkpoint on storage when the driver started (see _restore)
+    val_packs: int = 0  # held-out packs in all (train.val_share), 0 = no evaluation
+    val_datasets: list[str] = field(default_factory=list)  # "val_<rank>" of the ranks with held-out packs
 
 
 def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
@@ -212,15 +214,51 @@ def train_func(job_dict: dict[str, Any]) -> None:
     metrics_path = Path(job.out_dir) / "metrics.jsonl"
     max_steps = min(job.total_steps, t["max_steps"] or job.total_steps)
 
+    def convert(row):
+        return _convert(row, device, hidden_dtype, t["row_tokens"] if attention == "sdpa" else None)
+
     # Packs are fetched and copied to the device on a background thread while the step runs.
-    prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")),
-                              lambda row: _convert(row, device, hidden_dtype, t["row_tokens"] if attention == "sdpa" else None),
+    prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")), convert,
                               device, skip=frozenset(consumed), depth=t["prefetch_packs"])
+    vote_group = _vote_group()
+    evaluate = None
+    if job.val_packs:
+        name = f"val_{ctx.get_world_rank()}"
+        val_shard = ray.train.get_dataset_shard(name) if name in job.val_datasets else None
+
+        def evaluate() -> dict[str, float]:
+            return _evaluate(engine.module, val_shard, convert, lm_head, t, attention, vote_group)
+
     try:
         _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path,
-              _vote_group())
+              vote_group, evaluate)
     finally:
         prefetch.close()
+
+
+def _evaluate(drafter, val_shard, convert, lm_head, t: dict[str, Any], attention: str, group) -> dict[str, float]:
+    """Token-weighted simulated tau, acc_0 and loss of the TTT unroll over this rank's share of the
+    held-out packs (`val_shard`, None when it has none), summed over the ranks (on the host gloo
+    group; None for one worker)."""
+    from eagle3_ray.drafter.ttt import ttt_forward
+
+    sums = torch.zeros(4, dtype=torch.float64)  # loss, tau, acc_0 (each x tokens), tokens
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            for row in (pack_stream(val_shard) if val_shard is not None else ()):  # a fresh pass each time
+                batch, tokens = convert(row)
+                m = ttt_forward(drafter, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
+                                pad_to=t["batch_tokens"]).metrics
+                sums += torch.tensor([m["loss"] * tokens, m["tau"] * tokens, m["acc_0"] * tokens, tokens],
+                                     dtype=torch.float64)
+    finally:
+        drafter.train()
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    n = max(float(sums[3]), 1.0)
+    return {"val_loss": float(sums[0]) / n, "val_tau": float(sums[1]) / n, "val_acc_0": float(sums[2]) / n,
+            "val_tokens": int(sums[3])}
 
 
 def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tokens: int | None):
@@ -231,7 +269,7 @@ def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tok
 
 
 def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
-          attention: str, device: torch.device, metrics_path: Path, vote_group) -> None:
+          attention: str, device: torch.device, metrics_path: Path, vote_group, evaluate=None) -> None:
     import ray.train
 
     from eagle3_ray.drafter.ttt import mean_metrics, ttt_forward
@@ -242,6 +280,7 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
     window: list[torch.Tensor] = []  # each step's TTT stats, read back once per logged step
     tokens, wait, t0 = 0, 0.0, time.monotonic()
     micro, saved_step = 0, step
+    next_eval = (step // t["eval_every"] + 1) * t["eval_every"]  # held-out evaluation due at this step
     last_metrics: dict[str, float] = {}
     while step < max_steps:
         t_wait = time.monotonic()
@@ -270,6 +309,9 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
             m["tokens_per_s"] *= ctx.get_world_size()
             m["lr"] = engine.get_lr()[0]
             m["step"] = step
+            if evaluate is not None and (step >= next_eval or step == max_steps):
+                m.update(evaluate())  # every rank: its share of the held-out packs, summed
+                next_eval = (step // t["eval_every"] + 1) * t["eval_every"]
             last_metrics = m
             if rank == 0:
                 from eagle3_ray import metrics
@@ -280,7 +322,9 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
                 _say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
-                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})")
+                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
+                     + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} acc0 {m['val_acc_0']:.2f}"
+                        if "val_tau" in m else ""))
             # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
             # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
             # and Ray Train gets them with every checkpoint.

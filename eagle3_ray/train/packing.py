@@ -62,6 +62,21 @@ def plan(lengths: np.ndarray, batch_tokens: int, epochs: int, seed: int) -> list
     return [p for e in range(epochs) for p in plan_epoch(lengths, batch_tokens, e, seed)]
 
 
+def holdout(n: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) sample indices, both sorted: a seeded ``share`` of ``n`` samples held out
+    (at least one of each when share > 0)."""
+    if share <= 0:
+        return np.arange(n), np.arange(0)
+    k = min(n - 1, max(1, round(share * n)))
+    held = np.sort(np.random.default_rng([seed, 0x5EED]).choice(n, size=k, replace=False))
+    return np.setdiff1d(np.arange(n), held), held
+
+
+def remap(packs: list[Pack], indices: np.ndarray) -> list[Pack]:
+    """Packs planned over ``lengths[indices]`` -> the same packs over the full index space."""
+    return [Pack(p.epoch, p.index, tuple(int(indices[i]) for i in p.samples), p.tokens) for p in packs]
+
+
 def padding_efficiency(packs: list[Pack], batch_tokens: int) -> float:
     """Real tokens / tokens a padded [1, batch_tokens] micro-batch would hold."""
     cap = sum(max(batch_tokens, p.tokens) for p in packs)

@@ -14,8 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.errors import CheckpointError, StoreError
+import numpy as np
+
+from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
+from eagle3_ray.train.packing import holdout, plan, remap
 
 VOCAB_FILE = "vocab_map.safetensors"
 
@@ -41,7 +44,7 @@ def _use_gpu(cfg: PipelineConfig) -> bool:
 
 
 def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: Path):
-    """Checks + plan, no Ray: returns (TrainJob, packs, store)."""
+    """Checks + plan, no Ray: returns (TrainJob, packs, store, held-out packs)."""
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.vocab_stage import data_fingerprint
     from eagle3_ray.features import open_store
@@ -56,19 +59,30 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
         {"hidden_size": info.hidden_size, "aux_layers": list(info.aux_layers),
          "vocab_size": info.vocab_size, "target_fingerprint": info.fingerprint},
     )
-    job, packs = build_job(cfg, store.lengths, data_fingerprint(store), vocab, out, info)
-    return job, packs, store
+    t = cfg.train
+    keep, held = holdout(len(store), t.val_share, t.seed)
+    if t.val_share > 0 and len(held) == 0:
+        raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(store)}-sample store; "
+                          "give a store of at least 2 samples or set train.val_share=0")
+    job, packs = build_job(cfg, store.lengths, data_fingerprint(store), vocab, out, info, keep=keep)
+    val_packs = remap(plan(store.lengths[held], t.batch_tokens, 1, t.seed), held) if len(held) else []
+    job.val_packs = len(val_packs)
+    if val_packs:
+        print(f"[train] {len(held)} samples ({int(store.lengths[held].sum()):,} tokens) held out of training: "
+              f"{len(val_packs)} packs evaluated every {t.eval_every} steps", flush=True)
+    return job, packs, store, val_packs
 
 
-def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info):
+def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info, keep=None):
     """Vocab checks, drafter shape, frozen heads, pack plan and run identity for samples of `lengths`
-    (int [N]); shared by offline training (store) and online training (prepared data)."""
+    (int [N]); shared by offline training (store) and online training (prepared data). `keep`: the
+    sample indices to train on (default all; the rest are held out)."""
     from eagle3_ray.data.vocab import load_vocab_map
     from eagle3_ray.drafter.model import DrafterConfig
     from eagle3_ray.engines.describe import target_hf_config
     from eagle3_ray.engines.heads import save_target_heads
     from eagle3_ray.train.loop import TrainJob
-    from eagle3_ray.train.packing import padding_efficiency, plan
+    from eagle3_ray.train.packing import padding_efficiency
 
     vocab_path = _vocab_file(vocab)
     d2t, t2d, vmeta = load_vocab_map(vocab_path)
@@ -84,7 +98,10 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
     )
     heads = save_target_heads(cfg.target, out)
     t = cfg.train
-    packs = plan(lengths, t.batch_tokens, t.epochs, t.seed)
+    if keep is None:
+        packs = plan(lengths, t.batch_tokens, t.epochs, t.seed)
+    else:
+        packs = remap(plan(np.asarray(lengths)[keep], t.batch_tokens, t.epochs, t.seed), keep)
     per_step = t.num_workers * t.grad_accum
     total = max(1, len(packs) // per_step)
     if t.max_steps:
@@ -96,13 +113,16 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
         "batch_tokens": t.batch_tokens, "epochs": t.epochs, "seed": t.seed,
         "num_workers": t.num_workers, "grad_accum": t.grad_accum, "zero_stage": t.zero_stage,
     }
+    if t.val_share:  # the training packs depend on it (absent when 0: older checkpoints still match)
+        identity["val_share"] = t.val_share
     job = TrainJob(
         train=t.model_dump(), drafter_config=drafter_cfg.to_dict(), heads_path=str(heads.resolve()),
         vocab_path=str(vocab_path.resolve()), out_dir=str(out.resolve()), total_steps=total,
         identity=identity,
     )
+    n_train = len(lengths) if keep is None else len(keep)
     print(
-        f"[train] {len(lengths)} samples, {int(sum(lengths)):,} tokens -> {len(packs)} packs over {t.epochs} "
+        f"[train] {n_train} samples, {sum(p.tokens for p in packs if p.epoch == 0):,} tokens -> {len(packs)} packs over {t.epochs} "
         f"epoch(s) (padding efficiency {padding_efficiency(packs, t.batch_tokens):.1%}); {total} optimizer "
         f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}",
@@ -119,16 +139,25 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
-    job, packs, _ = plan_training(cfg, features, vocab, out)
+    job, packs, _, val_packs = plan_training(cfg, features, vocab, out)
+    root = str(Path(features).resolve())
     # Two pack loaders per worker: at the 8B shape a pack is 64 MB and a worker takes ~9 per second.
-    dataset = build_train_dataset(packs, str(Path(features).resolve()), cfg.extract.on_corrupt_shard,
-                                  loaders=2 * cfg.train.num_workers)
-    return fit(cfg, job, dataset, out, t0)
+    dataset = build_train_dataset(packs, root, cfg.extract.on_corrupt_shard, loaders=2 * cfg.train.num_workers)
+    # Held-out packs, dealt to the ranks here: Ray Train's split is equal-sized and would drop the
+    # packs that do not divide evenly. Each rank reads only its own "val_<rank>" (unsplit); its loader
+    # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs.
+    workers = cfg.train.num_workers
+    val = {f"val_{r}": build_train_dataset(val_packs[r::workers], root, cfg.extract.on_corrupt_shard, loaders=1,
+                                           num_cpus=0)
+           for r in range(workers) if val_packs[r::workers]}
+    job.val_datasets = sorted(val)
+    return fit(cfg, job, dataset, out, t0, val_datasets=val)
 
 
-def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=None) -> Path:
+def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=None, val_datasets=None) -> Path:
     """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
-    checkpoint of the same run; returns the final checkpoint directory."""
+    checkpoint of the same run; returns the final checkpoint directory. `val_datasets`: held-out
+    packs per rank ("val_<rank>", not split), evaluated every `train.eval_every` steps."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -158,8 +187,8 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         ),
-        datasets={"train": dataset},
-        dataset_config=dataset_config or ray.train.DataConfig(),
+        datasets={"train": dataset, **(val_datasets or {})},
+        dataset_config=dataset_config or ray.train.DataConfig(datasets_to_split=["train"]),
     )
     result = trainer.fit()
     if result.error is not None:
