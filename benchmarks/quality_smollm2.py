@@ -153,7 +153,7 @@ def tokenize_all(tok, convs, order, max_length, procs):
 def featurize(engine, tok, convs, a):
     import os
 
-    from eagle3_ray.engines.hf import plan_groups
+    from eagle3_ray.engines.hf import plan_groups, right_padded
 
     dev = engine.target.device
     # Features stay on the training device: cap the tokens at a share of its free memory, taking a
@@ -187,13 +187,7 @@ def featurize(engine, tok, convs, a):
     # as extraction needs, and this script would copy them back).
     with torch.no_grad():  # not inference mode: training saves these features for backward
         for group in plan_groups([len(c[0]) for c in toks], 65536):
-            width = len(toks[group[0]][0])  # longest first
-            ids = torch.zeros(len(group), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(group):
-                ids[row, : len(toks[i][0])] = torch.from_numpy(toks[i][0])
-                mask[row, : len(toks[i][0])] = 1
-            aux, last = engine.forward_states(ids, mask)
+            aux, last = engine.forward_states(*right_padded([torch.from_numpy(toks[i][0]) for i in group]))
             for row, i in enumerate(group):
                 m = len(toks[i][0])
                 records[i] = {
@@ -284,20 +278,13 @@ def train(engine, records, a, device):
 
 
 def _validate(drafter, val, val_packs, lm_head, a, attention, device) -> dict:
-    """Token-weighted simulated tau / acc_0 of the TTT unroll on the held-out conversations."""
+    """Token-weighted simulated tau / acc_0 / loss of the TTT unroll on the held-out conversations."""
+    from eagle3_ray.drafter.ttt import held_out_metrics, held_out_sums
     from eagle3_ray.train.packing import collate
 
-    sums, weight = {"val_tau": 0.0, "val_acc_0": 0.0, "val_loss": 0.0}, 0
-    drafter.eval()
-    with torch.no_grad():
-        for pack in val_packs:
-            batch = {k: v.to(device) for k, v in collate([val[i] for i in pack.samples]).items()}
-            m = _ttt(drafter, batch, lm_head, a, attention)[0].metrics
-            for k in sums:
-                sums[k] += m[k.removeprefix("val_")] * pack.tokens
-            weight += pack.tokens
-    drafter.train()
-    return {k: v / max(weight, 1) for k, v in sums.items()}
+    batches = (({k: v.to(device) for k, v in collate([val[i] for i in pack.samples]).items()}, pack.tokens)
+               for pack in val_packs)
+    return held_out_metrics(held_out_sums(drafter, batches, lambda b: _ttt(drafter, b, lm_head, a, attention)[0]))
 
 
 def _ttt(drafter, batch, lm_head, a, attention):

@@ -55,6 +55,31 @@ def mean_metrics(stats: list[torch.Tensor], loss_decay: float) -> dict[str, floa
     return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
 
 
+def held_out_sums(drafter: torch.nn.Module, batches, forward) -> torch.Tensor:
+    """float64 [loss, tau, acc_0 (each x tokens), tokens] summed over ``batches`` of (batch, tokens),
+    each run through ``forward(batch) -> TTTOutput`` without gradients, the drafter in eval mode
+    (its mode is restored). Sums, so that ranks can add theirs before `held_out_metrics`."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            for batch, tokens in batches:
+                m = forward(batch).metrics
+                sums += torch.tensor([m["loss"] * tokens, m["tau"] * tokens, m["acc_0"] * tokens, tokens],
+                                     dtype=torch.float64)
+    finally:
+        drafter.train(was_training)
+    return sums
+
+
+def held_out_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """Token-weighted val_loss, val_tau, val_acc_0 and val_tokens from `held_out_sums`."""
+    n = max(float(sums[3]), 1.0)
+    return {"val_loss": float(sums[0]) / n, "val_tau": float(sums[1]) / n, "val_acc_0": float(sums[2]) / n,
+            "val_tokens": int(sums[3])}
+
+
 def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
     """[B, T] sample ids -> bool [B, 1, T, (step + 1) * T] mask of TTT step ``step``.
 

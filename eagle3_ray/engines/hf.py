@@ -19,6 +19,16 @@ from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerp
 from eagle3_ray.errors import EngineError
 
 
+def right_padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention mask, both long [B, Tmax], of right-padded 1-D id tensors."""
+    input_ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, s in enumerate(seqs):
+        input_ids[row, : len(s)] = s
+        mask[row, : len(s)] = 1
+    return input_ids, mask
+
+
 def plan_groups(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Indices of sequences grouped into forwards, longest first.
 
@@ -125,11 +135,7 @@ class HFEngine:
     def _forward(self, seqs: list[torch.Tensor]) -> list[Capture]:
         """One right-padded forward; right padding keeps every row's positions at 0..T-1."""
         lengths = [len(s) for s in seqs]
-        input_ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)  # [B, Tmax]
-        mask = torch.zeros_like(input_ids)  # [B, Tmax]
-        for row, s in enumerate(seqs):
-            input_ids[row, : len(s)] = s
-            mask[row, : len(s)] = 1
+        input_ids, mask = right_padded(seqs)
         with self.capture_stream():
             aux_dev, last_dev = self.forward_states(input_ids, mask)  # [B, Tmax, 3H], [B, Tmax, H]
             # One bulk copy per tensor (per-row copies cost a sync each); rows are views of it.

@@ -237,28 +237,17 @@ def train_func(job_dict: dict[str, Any]) -> None:
 
 
 def _evaluate(drafter, val_shard, convert, lm_head, t: dict[str, Any], attention: str, group) -> dict[str, float]:
-    """Token-weighted simulated tau, acc_0 and loss of the TTT unroll over this rank's share of the
-    held-out packs (`val_shard`, None when it has none), summed over the ranks (on the host gloo
-    group; None for one worker)."""
-    from eagle3_ray.drafter.ttt import ttt_forward
+    """Held-out metrics over this rank's share of the held-out packs (`val_shard`, None when it has
+    none), summed over the ranks (on the host gloo group; None for one worker)."""
+    from eagle3_ray.drafter.ttt import held_out_metrics, held_out_sums, ttt_forward
 
-    sums = torch.zeros(4, dtype=torch.float64)  # loss, tau, acc_0 (each x tokens), tokens
-    drafter.eval()
-    try:
-        with torch.no_grad():
-            for row in (pack_stream(val_shard) if val_shard is not None else ()):  # a fresh pass each time
-                batch, tokens = convert(row)
-                m = ttt_forward(drafter, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
-                                pad_to=t["batch_tokens"]).metrics
-                sums += torch.tensor([m["loss"] * tokens, m["tau"] * tokens, m["acc_0"] * tokens, tokens],
-                                     dtype=torch.float64)
-    finally:
-        drafter.train()
+    rows = pack_stream(val_shard) if val_shard is not None else ()  # a fresh pass each time
+    sums = held_out_sums(drafter, (convert(row) for row in rows),
+                         lambda batch: ttt_forward(drafter, batch, lm_head, t["ttt_steps"], t["loss_decay"],
+                                                   attention, pad_to=t["batch_tokens"]))
     if group is not None:
         torch.distributed.all_reduce(sums, group=group)
-    n = max(float(sums[3]), 1.0)
-    return {"val_loss": float(sums[0]) / n, "val_tau": float(sums[1]) / n, "val_acc_0": float(sums[2]) / n,
-            "val_tokens": int(sums[3])}
+    return held_out_metrics(sums)
 
 
 def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tokens: int | None):

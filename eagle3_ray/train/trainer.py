@@ -13,9 +13,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle3_ray.config import PipelineConfig, save_resolved
 import numpy as np
 
+from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 from eagle3_ray.train.packing import holdout, plan, remap
