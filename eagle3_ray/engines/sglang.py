@@ -7,11 +7,13 @@ to node-local shared memory, and ``SGLangEngine.capture`` reads, checks and dele
 
 ``engine_kwargs`` returns the exact ``sglang.Engine`` kwargs of each mode, so they can be read and
 are tested against SGLang's own ``ServerArgs``. SGLang is imported lazily: ``eagle3_ray`` imports
-without it. Facts about SGLang 0.5.23 behind each setting: docs/sglang.md.
+without it. Versions differ (0.5.17 and 0.5.23 are tested): the kwargs follow the installed
+``ServerArgs`` fields, never a version string. Facts behind each setting: docs/sglang.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import uuid
@@ -25,14 +27,19 @@ from safetensors import safe_open
 from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.drafter.export import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
-from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, capture_path
+from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
 from eagle3_ray.errors import ConfigError, EngineError
 
 Mode = Literal["capture", "generate", "spec"]
 MODES: tuple[str, ...] = ("capture", "generate", "spec")
-SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = f"pip install 'eagle3-ray[sglang]' (sglang=={SGLANG_VERSION}, needs CUDA GPUs)"
+TESTED_VERSIONS = ("0.5.17", "0.5.23")  # the range the `sglang` extra allows; contract-tested
+INSTALL_HINT = "pip install 'eagle3-ray[sglang]' (sglang 0.5.17 to 0.5.23, needs CUDA GPUs)"
 HOOK_NAME = "eagle3_ray_capture"
+# Set by SGLang >= 0.5.23 to hand aux states to logits_processor without loading a draft.
+AUX_FLAG = "enable_return_aux_hidden_states"
+# Models whose decoder layers return (hidden_states, residual) with forward_batch as the third
+# positional argument: the layer-hook capture (SGLang without AUX_FLAG) works on these.
+LAYER_HOOK_MODELS = ("llama", "qwen2", "qwen3")
 
 # One forward per request, nothing decoded: max_new_tokens=0 returns no output at all.
 CAPTURE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
@@ -42,7 +49,10 @@ CAPTURE_FORCED: dict[str, tuple[Any, str]] = {
     "disable_radix_cache": (True, "a prefix-cache hit skips the cached rows, so a sample loses tokens"),
     "chunked_prefill_size": (-1, "chunked prefill splits one sample over several forwards"),
     "disable_cuda_graph": (True, "CUDA graph replay never runs Python forward hooks"),
-    "enable_return_aux_hidden_states": (True, "the model only hands aux states to logits_processor with it"),
+}
+# Forced in addition where the installed ServerArgs has AUX_FLAG.
+CAPTURE_FORCED_AUX_FLAG: dict[str, tuple[Any, str]] = {
+    AUX_FLAG: (True, "the model only hands aux states to logits_processor with it"),
     "speculative_algorithm": ("EAGLE3", "it names the aux capture convention (no draft is loaded)"),
 }
 
@@ -141,6 +151,16 @@ def _base_kwargs(target: TargetConfig, node_rank: int) -> dict[str, Any]:
     return kw
 
 
+def server_args_fields() -> frozenset[str]:
+    """Field names of the installed SGLang's ``ServerArgs``: a msgspec Struct (0.5.23) or a dataclass (0.5.17)."""
+    from sglang.srt.server_args import ServerArgs
+
+    struct_fields = getattr(ServerArgs, "__struct_fields__", None)
+    if struct_fields is not None:
+        return frozenset(struct_fields)
+    return frozenset(f.name for f in dataclasses.fields(ServerArgs))
+
+
 def check_extra_kwargs(extra: dict[str, Any], mode: Mode) -> None:
     """Refuse ``target.sglang.extra_engine_kwargs`` that another field owns or that break ``mode``."""
     for key in extra:
@@ -148,9 +168,10 @@ def check_extra_kwargs(extra: dict[str, Any], mode: Mode) -> None:
             raise ConfigError(f"target.sglang.extra_engine_kwargs.{key}: set it through {_MANAGED[key]}")
     if mode != "capture":
         return
+    forced = {**CAPTURE_FORCED, **CAPTURE_FORCED_AUX_FLAG}
     for key, value in extra.items():
-        if key in CAPTURE_FORCED and value != CAPTURE_FORCED[key][0]:
-            want, why = CAPTURE_FORCED[key]
+        if key in forced and value != forced[key][0]:
+            want, why = forced[key]
             raise ConfigError(
                 f"target.sglang.extra_engine_kwargs.{key}={value!r} breaks hidden-state capture ({why}); "
                 f"capture forces {key}={want!r}: remove it"
@@ -179,20 +200,33 @@ def _spec_kwargs(drafter_dir: str | Path | None, bench: BenchConfig | None) -> d
     }
 
 
-def _capture_kwargs(target: TargetConfig, info: EngineInfo, capture_dir: str | Path | None) -> dict[str, Any]:
+def _capture_kwargs(
+    target: TargetConfig, info: EngineInfo, capture_dir: str | Path | None, fields: frozenset[str]
+) -> dict[str, Any]:
     if capture_dir is None:
         raise ConfigError("mode='capture' needs capture_dir (where the hook writes features)")
-    hook = {
-        "name": HOOK_NAME,
-        "target_modules": ["logits_processor"],
-        "hook_factory": FACTORY_PATH,
-        "config": {"dir": str(capture_dir), "tp_size": target.tp_size},
-    }
-    return {
-        **{k: v for k, (v, _) in CAPTURE_FORCED.items()},
-        "return_aux_hidden_state_layer_ids": sglang_aux_ids(info.aux_layers, info.model_type, info.num_layers),
-        "forward_hooks": [hook],
-    }
+    ids = sglang_aux_ids(info.aux_layers, info.model_type, info.num_layers)  # also refuses index L
+    hook_config = {"dir": str(capture_dir), "tp_size": target.tp_size}
+    forced = {k: v for k, (v, _) in CAPTURE_FORCED.items()}
+    if AUX_FLAG in fields:
+        lp_hook = {"name": HOOK_NAME, "target_modules": ["logits_processor"], "hook_factory": FACTORY_PATH,
+                   "config": hook_config}
+        return {**forced, **{k: v for k, (v, _) in CAPTURE_FORCED_AUX_FLAG.items()},
+                "return_aux_hidden_state_layer_ids": ids, "forward_hooks": [lp_hook]}
+    if info.model_type not in LAYER_HOOK_MODELS:
+        raise ConfigError(
+            f"capturing a {info.model_type!r} target needs SGLang's {AUX_FLAG} (sglang 0.5.23); the installed "
+            f"SGLang lacks it, and the layer-hook capture covers only {LAYER_HOOK_MODELS}: install sglang==0.5.23"
+        )
+    # HF hidden_states[k] is the summed output of decoder layer k - 1 (layer 0's output is k = 1).
+    layer_hooks = [
+        {"name": f"{HOOK_NAME}_aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
+         "hook_factory": LAYER_FACTORY_PATH, "config": {**hook_config, "slot": slot}}
+        for slot, k in enumerate(info.aux_layers)
+    ]
+    lp_hook = {"name": HOOK_NAME, "target_modules": ["logits_processor"], "hook_factory": FACTORY_PATH,
+               "config": {**hook_config, "layer_slots": len(info.aux_layers)}}
+    return {**forced, "forward_hooks": [*layer_hooks, lp_hook]}
 
 
 def engine_kwargs(
@@ -204,12 +238,14 @@ def engine_kwargs(
     drafter_dir: str | Path | None = None,
     bench: BenchConfig | None = None,
     node_rank: int = 0,
+    fields: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The exact kwargs given to ``sglang.Engine`` for ``mode``.
 
-    capture: target only, hook + forced settings; generate: plain decoding (prefix cache on);
+    capture: target only, hooks + forced settings; generate: plain decoding (prefix cache on);
     spec: EAGLE-3 speculative decoding with ``drafter_dir`` (shape from ``bench``).
-    ``info`` (aux layers, model type, depth) is read from the target config when not given.
+    ``info`` (aux layers, model type, depth) is read from the target config when not given;
+    ``fields`` (the ServerArgs field names, which pick the capture path) from the installed SGLang.
     """
     if mode not in MODES:
         raise ConfigError(f"engine mode {mode!r} is unknown; use one of {MODES}")
@@ -221,21 +257,19 @@ def engine_kwargs(
             from eagle3_ray.engines.describe import describe_target
 
             info = describe_target(config)
-        kw.update(_capture_kwargs(config, info, capture_dir))
+        kw.update(_capture_kwargs(config, info, capture_dir, server_args_fields() if fields is None else fields))
     elif mode == "spec":
         kw.update(_spec_kwargs(drafter_dir, bench))
     return {**kw, **extra}
 
 
 def check_server_args(kwargs: dict[str, Any]) -> None:
-    """Refuse kwargs that are not fields of the installed SGLang's ServerArgs (a msgspec Struct)."""
-    from sglang.srt.server_args import ServerArgs
-
-    unknown = sorted(set(kwargs) - set(ServerArgs.__struct_fields__))
+    """Refuse kwargs that are not fields of the installed SGLang's ServerArgs."""
+    unknown = sorted(set(kwargs) - server_args_fields())
     if unknown:
         raise ConfigError(
             f"sglang.Engine kwargs {unknown} are not ServerArgs fields of the installed SGLang; "
-            f"fix target.sglang.extra_engine_kwargs (eagle3_ray is tested with sglang=={SGLANG_VERSION})"
+            f"fix target.sglang.extra_engine_kwargs (eagle3_ray is tested with sglang {' and '.join(TESTED_VERSIONS)})"
         )
 
 
