@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -14,6 +15,48 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tiny test runs spent ~2 s per step and ~2 s more noticing the end. Set before any Ray starts, so
 # the session's Ray, the test heads and the CLI subprocesses all inherit it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
+
+# ---------------------------------------------------------------- no silent skips
+
+# Under CI (CI=true) a skipped test is a failure unless its reason is on this list: paths that only
+# exist on a CUDA machine. A missing dependency must never turn into a skip; name it and fail.
+SKIP_ALLOWED = (re.compile(r"^needs CUDA\b"),)
+CUDA_ONLY = "needs CUDA"  # prefix for skip reasons of CUDA-only tests: f"{CUDA_ONLY}: what it runs"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _fail_disallowed_skip(report) -> None:
+    if not (_in_ci() and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(p.search(reason) for p in SKIP_ALLOWED):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI=true, and its reason is not on the allow-list "
+                       f"(tests/conftest.py SKIP_ALLOWED): {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_disallowed_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_disallowed_skip(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

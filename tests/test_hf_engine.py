@@ -118,7 +118,7 @@ def test_concurrent_captures_from_threads_equal_sequential(engine):
             torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned, per-thread-stream capture path needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the pinned, per-thread-stream capture path")
 def test_cuda_capture_lands_in_pinned_host_memory_and_matches_default_stream(smollm2_dir):
     eng = HFEngine(TargetConfig(model="random:builtin:tiny-llama", dtype="bfloat16"), device="cuda")
     try:

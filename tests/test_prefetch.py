@@ -68,7 +68,7 @@ def test_depth_must_be_positive():
         PackPrefetcher(_rows(1), _convert, CPU, depth=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA side-stream path")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side-stream copy path")
 def test_cuda_packs_are_ready_on_the_training_stream():
     dev = torch.device("cuda")
     with PackPrefetcher(_rows(4), lambda r: ({"x": _convert(r)[0]["x"].to(dev)}, None), dev) as p:
