@@ -9,6 +9,7 @@ Every subcommand takes `-c CONFIG` and trailing `section.field=value` overrides,
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -88,12 +89,35 @@ def _user_error(e: BaseException) -> Eagle3Error | None:
     traceback as its text; the user needs the original message."""
     seen: set[int] = set()
     found: Eagle3Error | None = None
+    remote: Eagle3Error | None = None
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, Eagle3Error):
             found = e  # keep walking: RayTaskError(StoreError) is one too, with the traceback as text
+        elif remote is None and type(e).__module__.split(".")[0] == "ray":
+            remote = _from_remote_text(str(e))
         e = getattr(e, "cause", None) or e.__cause__
-    return found
+    return found or remote
+
+
+# The last line of a remote traceback naming one of our errors: "eagle3_ray.errors.StoreError: <message>".
+_REMOTE_ERROR = re.compile(r"^eagle3_ray\.errors\.(\w+): ", re.MULTILINE)
+
+
+def _from_remote_text(text: str) -> Eagle3Error | None:
+    """The Eagle3Error a Ray error carries only as text. An actor whose constructor raised reaches the
+    caller as ActorDiedError, holding the creation task's traceback as a string and no exception object
+    (Ray 2.x); the error is rebuilt from the traceback's last line (its message runs to the end)."""
+    import eagle3_ray.errors as errors
+
+    matches = list(_REMOTE_ERROR.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    cls = getattr(errors, last.group(1), None)
+    if not (isinstance(cls, type) and issubclass(cls, Eagle3Error)):
+        cls = Eagle3Error
+    return cls(text[last.end():].strip())
 
 
 def _one_line(e: Exception) -> str:
@@ -120,7 +144,12 @@ def _writable_out(out: str) -> None:
 
 
 def _dispatch(args) -> int:
+    from eagle3_ray.preflight import check_command
+
     cmd = args.command
+    cfg = None if cmd == "export" else _load(args)
+    # Every path and model argument, before Ray starts (or --out is created): eagle3_ray/preflight.py.
+    check_command(cmd, args, cfg)
     if args.out:
         _writable_out(args.out)
     if cmd == "export":
@@ -129,7 +158,6 @@ def _dispatch(args) -> int:
         path = export_from_training(args.checkpoint, args.out, engine=args.engine)
         print(f"[export] drafter for {args.engine} -> {path}")
         return 0
-    cfg = _load(args)
     if cmd == "run":  # run_pipeline holds the output lock itself
         from eagle3_ray.pipeline import run_pipeline
 
@@ -164,12 +192,7 @@ def _stage_command(cmd: str, cfg, args) -> int:
 
         run_vocab(cfg, args.features, args.out)
     elif cmd == "train":
-        from eagle3_ray.errors import ConfigError
         from eagle3_ray.train.trainer import run_training
-
-        if cfg.train.mode != "offline":
-            raise ConfigError(f"`train` reads a feature store (train.mode=offline); train.mode={cfg.train.mode} "
-                              "streams from the engines: use `eagle3-ray run` (or jobs/pipeline.py)")
 
         vocab = args.vocab or str(Path(args.features).parent / "vocab")
         run_training(cfg, features=args.features, vocab=vocab, out=args.out)

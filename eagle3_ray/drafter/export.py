@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Literal
 
@@ -310,6 +311,60 @@ def read_drafter_dir(
     state = _load_tensors(src / EXPORT_WEIGHTS)
     check_state(state, cfg, src / EXPORT_WEIGHTS)
     return cfg, state
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header, checking the file holds every byte it promises (reads
+    only the header: cheap on the driver, whatever the drafter's size)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist; point at a drafter checkpoint or export directory")
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        shapes = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: no valid header ({e})") from None
+    size = path.stat().st_size
+    if size != 8 + n + end:
+        raise CheckpointError(f"{path} is not a readable safetensors file: truncated ({size} of {8 + n + end} bytes)")
+    return shapes
+
+
+class _Shape:
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+
+def check_drafter_dir(path: str | Path, what: str = "--drafter") -> DrafterConfig:
+    """Everything ``load_drafter(path)`` needs, checked from the config and the weights' header only:
+    the directory exists, is a training checkpoint or an exported drafter, and its tensors have the
+    config's names and shapes. For the driver, before any actor is given the path."""
+    src = Path(path)
+    want = "pass the --out of `eagle3-ray export` (config.json + model.safetensors)"
+    if not src.exists():
+        raise CheckpointError(f"{what} {src} does not exist; {want}")
+    if not src.is_dir():
+        raise CheckpointError(f"{what} {src} is a file, not a directory; {want}")
+    if (src / CHECKPOINT_CONFIG).is_file():
+        cfg, weights = DrafterConfig.from_dict(_read_json(src / CHECKPOINT_CONFIG)), src / CHECKPOINT_WEIGHTS
+    elif (src / EXPORT_CONFIG).is_file():
+        raw = _read_json(src / EXPORT_CONFIG)
+        if not isinstance(raw, dict) or not (raw.get("eagle3_ray") or raw.get("eagle_config")
+                                             or "eagle_aux_hidden_state_layer_ids" in raw):
+            raise CheckpointError(
+                f"{what} {src}: its {EXPORT_CONFIG} is not an EAGLE-3 drafter's (no eagle_config; a target "
+                f"model directory?); {want}"
+            )
+        cfg, weights = _config_from_export(raw, src / EXPORT_CONFIG, None, None), src / EXPORT_WEIGHTS
+    else:
+        raise CheckpointError(
+            f"{what} {src} holds neither {CHECKPOINT_CONFIG} (training checkpoint) nor {EXPORT_CONFIG} "
+            f"(exported drafter); {want}"
+        )
+    check_state({k: _Shape(v) for k, v in _header_shapes(weights).items()}, cfg, weights)  # type: ignore[misc]
+    return cfg
 
 
 def load_drafter(

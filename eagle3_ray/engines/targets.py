@@ -182,7 +182,37 @@ def resolve_target(spec: str, cache_dir: str | Path | None = None) -> ResolvedTa
 
 
 
-def _resolve_random(spec: str, cache_dir: str | Path | None) -> ResolvedTarget:
+def check_target_spec(spec: str) -> None:
+    """The checks ``resolve_target`` makes, without converting or loading anything: what the driver
+    can refuse before Ray starts (the spec's form, its files, the marker files of an HF directory)."""
+    spec = spec.strip()
+    if spec == "smollm2":
+        embedded_gguf()
+        return
+    if spec.startswith(RANDOM_PREFIX):
+        if not _random_has_tokenizer(_random_config(spec)):
+            embedded_gguf()  # its tokenizer is SmolLM2's
+        return
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetLoadError(f"target.model={spec!r}: GGUF file {path} does not exist; {_SPEC_HELP}")
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetLoadError(f"target.model={spec!r}: directory {path} has no config.json; {_SPEC_HELP}")
+        if not any(p.suffix in (".safetensors", ".bin", ".pt") for p in path.iterdir()):
+            raise TargetLoadError(
+                f"target.model={spec!r}: directory {path} has a config.json but no weights (*.safetensors, "
+                f"*.bin); pass the model directory with its weights, or 'random:{spec}' for random weights"
+            )
+        return
+    if path.exists():
+        raise TargetLoadError(f"target.model={spec!r} is a file but not a .gguf; {_SPEC_HELP}")
+    raise TargetLoadError(f"target.model={spec!r} is neither an existing path nor a known form; {_SPEC_HELP}")
+
+
+def _random_config(spec: str) -> Path:
     rest = spec[len(RANDOM_PREFIX):]
     if rest.startswith(BUILTIN_PREFIX):
         config = RESOURCES_DIR / f"{rest[len(BUILTIN_PREFIX):]}.json"
@@ -192,9 +222,16 @@ def _resolve_random(spec: str, cache_dir: str | Path | None) -> ResolvedTarget:
             config = config / "config.json"
     if not config.is_file():
         raise TargetLoadError(f"target.model={spec!r}: config {config} does not exist; {_SPEC_HELP}")
-    config_dir = config.parent
-    has_tokenizer = config_dir != RESOURCES_DIR and any((config_dir / f).is_file() for f in _TOKENIZER_FILES)
-    tokenizer = config_dir if has_tokenizer else smollm2_dir(cache_dir)
+    return config
+
+
+def _random_has_tokenizer(config: Path) -> bool:
+    return config.parent != RESOURCES_DIR and any((config.parent / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def _resolve_random(spec: str, cache_dir: str | Path | None) -> ResolvedTarget:
+    config = _random_config(spec)
+    tokenizer = config.parent if _random_has_tokenizer(config) else smollm2_dir(cache_dir)
     return ResolvedTarget(spec, "random", None, tokenizer, config)
 
 

@@ -7,6 +7,13 @@ A checkpoint directory (one per `ray.train.report`, merged over ranks by Ray Tra
     data_state/rank-R.json  packs (epoch:index) rank R consumed: the data position
 DeepSpeed's `ds/` files are torch pickles written by this run; only resume from checkpoints your own
 runs wrote. Exported drafters and drafter weights are safetensors only.
+
+Where checkpoints are looked for (``checkpoint_dirs``): only in the directory named and the fixed
+layout this project writes below it, never anywhere else under it:
+    <dir>/train_state.json                             <dir> is a checkpoint
+    <dir>/checkpoint_*/                                <dir> is a Ray Train run dir
+    <dir>/<name>-train/checkpoint_*/                   <dir> is Ray Train storage (ray.storage_path)
+    <dir>/ray_train/<name>-train/checkpoint_*/         <dir> is the --out of `eagle3-ray train`
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ from eagle3_ray.errors import CheckpointError
 TRAIN_STATE = "train_state.json"
 DATA_STATE_DIR = "data_state"
 DS_TAG = "ds"
+TRAIN_STORAGE = "ray_train"  # <train --out>/ray_train: Ray Train's storage unless ray.storage_path is set
+RUN_DIR_GLOB = "*-train"  # Ray Train run dirs are named "<config name>-train" (trainer.fit)
+CHECKPOINT_GLOB = "checkpoint_*"
+# The only places below a named directory where checkpoints are looked for (module docstring).
+_LAYOUT = (f"{CHECKPOINT_GLOB}/{TRAIN_STATE}", f"{RUN_DIR_GLOB}/{CHECKPOINT_GLOB}/{TRAIN_STATE}",
+           f"{TRAIN_STORAGE}/{RUN_DIR_GLOB}/{CHECKPOINT_GLOB}/{TRAIN_STATE}")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -38,7 +51,10 @@ def read_train_state(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is corrupt ({e}); delete that checkpoint to resume from an older one") from e
+        raise CheckpointError(
+            f"{path} is corrupt ({e}); that checkpoint was not written completely: pass an older checkpoint_* "
+            "directory of the same run, or move this one away to resume training from the older one"
+        ) from e
 
 
 def consumed_packs(ckpt: Path) -> set[str]:
@@ -62,17 +78,49 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any], ckpt: Path) -
         )
 
 
+def checkpoint_dirs(path: str | Path) -> list[Path]:
+    """The checkpoints ``path`` names: itself, or those in the layout this project writes below it
+    (module docstring). Nothing else under ``path`` is searched, so a directory that is not a
+    training output yields [] however many checkpoints of other runs lie deeper in it."""
+    path = Path(path)
+    if (path / TRAIN_STATE).is_file():
+        return [path]
+    for pattern in _LAYOUT:
+        found = sorted(p.parent for p in path.glob(pattern))
+        if found:
+            return found
+    return []
+
+
+def find_checkpoint(path: str | Path, what: str = "--checkpoint") -> Path:
+    """The newest checkpoint ``path`` names (checkpoint_dirs); a CheckpointError saying what to pass
+    when ``path`` is missing, a file, or a directory that is neither a training output nor a checkpoint."""
+    path = Path(path)
+    want = "pass the --out of `eagle3-ray train` or one of its checkpoint_* directories"
+    if not path.exists():
+        raise CheckpointError(f"{what} {path} does not exist; {want}")
+    if not path.is_dir():
+        raise CheckpointError(f"{what} {path} is a file, not a directory; {want}")
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        hint = ""
+        if checkpoint_dirs(path / "train"):
+            hint = f" (it looks like the --out of `eagle3-ray run`: pass {path / 'train'})"
+        raise CheckpointError(
+            f"{what} {path} is neither a training output nor a checkpoint: it holds no {TRAIN_STATE}, "
+            f"no {CHECKPOINT_GLOB}/ and no {TRAIN_STORAGE}/{RUN_DIR_GLOB}/{CHECKPOINT_GLOB}/{hint}; {want}"
+        )
+    return ckpt
+
+
 def latest_checkpoint(train_out: Path, complete_only: bool = False) -> Path | None:
-    """Newest checkpoint under a `train --out` directory (or the dir itself if it is one).
+    """Newest checkpoint that ``train_out`` names (``checkpoint_dirs``): a `train --out` directory,
+    Ray Train storage or run dir, or a checkpoint itself.
 
     ``complete_only``: skip (and say so) checkpoints with missing or truncated files, as a job killed
     while Ray Train copied a checkpoint to storage leaves them; resuming takes the newest whole one.
     """
-    train_out = Path(train_out)
-    if (train_out / TRAIN_STATE).is_file():
-        cands = [train_out]
-    else:
-        cands = [p.parent for p in train_out.glob("**/" + TRAIN_STATE)]
+    cands = checkpoint_dirs(train_out)
     if complete_only:
         whole = []
         for c in cands:
@@ -140,9 +188,4 @@ def _safetensors_problem(path: Path) -> str | None:
 def export_from_training(checkpoint: str | Path, out: str | Path, engine: str = "sglang") -> Path:
     from eagle3_ray.drafter.export import export_drafter
 
-    ckpt = latest_checkpoint(Path(checkpoint))
-    if ckpt is None:
-        raise CheckpointError(
-            f"no training checkpoint under {checkpoint}; pass the --out of `eagle3-ray train` or a checkpoint dir"
-        )
-    return export_drafter(ckpt, out, engine=engine)
+    return export_drafter(find_checkpoint(checkpoint), out, engine=engine)
