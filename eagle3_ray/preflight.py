@@ -61,12 +61,15 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
     elif command == "bench":
         from eagle3_ray.drafter.export import check_drafter_dir
 
-        check_drafter_dir(args.drafter, "--drafter")
+        # SGLang serves the directory as it is, also one exported by another tool
+        drafter = check_drafter_dir(args.drafter, "--drafter", foreign_ok=cfg.target.backend == "sglang")
+        check_drafter_fits_target(drafter, cfg, f"--drafter {args.drafter}")
         check_prompts(cfg, args.prompts)
     if command in ("train", "run") and cfg.train.init_from:
         from eagle3_ray.drafter.export import check_drafter_dir
 
-        check_drafter_dir(cfg.train.init_from, "train.init_from")
+        drafter = check_drafter_dir(cfg.train.init_from, "train.init_from")
+        check_drafter_fits_target(drafter, cfg, f"train.init_from={cfg.train.init_from}")
     if command == "run":
         check_prompts(cfg, None)
 
@@ -75,6 +78,45 @@ def check_target(cfg: PipelineConfig) -> None:
     from eagle3_ray.engines.targets import check_target_spec
 
     check_target_spec(cfg.target.model)
+
+
+def _target_config(cfg: PipelineConfig) -> dict[str, Any] | None:
+    """The target's (text) config.json when it is on disk already, else None: nothing is converted."""
+    from eagle3_ray.engines.targets import RANDOM_PREFIX, _random_config, converted_dir, embedded_gguf
+
+    spec = cfg.target.model.strip()
+    try:
+        if spec.startswith(RANDOM_PREFIX):
+            path = _random_config(spec)
+        elif spec == "smollm2" or spec.endswith(".gguf"):
+            gguf = embedded_gguf() if spec == "smollm2" else Path(spec).expanduser().resolve()
+            path = converted_dir(gguf, cfg.target.cache_dir) / "config.json"
+        else:
+            path = Path(spec).expanduser() / "config.json"
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    return text if isinstance(text, dict) else raw if isinstance(raw, dict) else None
+
+
+def check_drafter_fits_target(drafter, cfg: PipelineConfig, what: str) -> None:
+    """The drafter reads hidden states the target has (what ``spec.prepare_drafter`` checks in the
+    actor), when the target's config can be read without converting it."""
+    target = _target_config(cfg) if drafter is not None else None
+    if target is None:
+        return
+    hidden, layers = target.get("hidden_size"), target.get("num_hidden_layers")
+    if isinstance(hidden, int) and drafter.target_hidden_size != hidden:
+        raise ConfigError(
+            f"{what} reads target states of width {drafter.target_hidden_size}, target.model={cfg.target.model}'s "
+            f"are {hidden}; use a drafter trained for this target"
+        )
+    if isinstance(layers, int) and drafter.aux_layers and max(drafter.aux_layers) > layers:
+        raise ConfigError(
+            f"{what} reads target hidden_states {drafter.aux_layers}, target.model={cfg.target.model} has "
+            f"{layers} layers (indices 0..{layers}); use a drafter trained for this target"
+        )
 
 
 def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str, str]:

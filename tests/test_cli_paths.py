@@ -60,22 +60,32 @@ def _vocab(out: Path, target: str = TARGET_FP) -> Path:
     return out
 
 
-def _checkpoint(ckpt: Path, state: str = '{"step": 4}') -> Path:
+def _checkpoint(ckpt: Path, state: str = '{"step": 4}', hidden: int = HIDDEN) -> Path:
+    """A training checkpoint of a drafter for the ci-tiny target (or for a target of width ``hidden``)."""
     from eagle3_ray.drafter.export import save_drafter_weights
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+    cfg = DrafterConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4, head_dim=hidden // 4,
                         intermediate_size=128, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
-                        target_hidden_size=HIDDEN, aux_layers=[2, 4, 5])
+                        target_hidden_size=hidden, aux_layers=[2, 4, 5])
     save_drafter_weights(Eagle3Drafter(cfg), ckpt)
     (ckpt / "train_state.json").write_text(state, encoding="utf-8")
     return ckpt
 
 
-def _drafter(out: Path) -> Path:
+def _drafter(out: Path, hidden: int = HIDDEN) -> Path:
     from eagle3_ray.drafter.export import export_drafter
 
-    return export_drafter(_checkpoint(out.parent / f"{out.name}-ckpt"), out, engine="sglang")
+    return export_drafter(_checkpoint(out.parent / f"{out.name}-ckpt", hidden=hidden), out, engine="sglang")
+
+
+def _foreign_drafter(out: Path) -> Path:
+    """An EAGLE-3 drafter as another tool exports it: our config.json without its eagle3_ray section."""
+    _drafter(out)
+    raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    del raw["eagle3_ray"]
+    (out / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    return out
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -197,12 +207,19 @@ CASES: list[tuple[str, Argv, str]] = [
      r"--drafter .*/d does not exist; pass the --out of `eagle3-ray export`"),
     ("bench_drafter_is_a_target_model",
      lambda t: ["bench", "-c", CI, "--drafter", str(_hf_dir(t / "m", weights=True)), "--out", str(t / "x")],
-     r"its config\.json is not an EAGLE-3 drafter's \(no eagle_config; a target model directory\?\)"),
+     r"its config\.json is not an EAGLE-3 drafter's \(no eagle_config or Eagle3 architecture; a target model"),
     ("bench_drafter_truncated",
      lambda t: (_drafter(t / "d"), (t / "d" / "model.safetensors").write_bytes(
          (t / "d" / "model.safetensors").read_bytes()[:-100]),
          ["bench", "-c", CI, "--drafter", str(t / "d"), "--out", str(t / "x")])[2],
      r"model\.safetensors is not a readable safetensors file: truncated"),
+    ("bench_drafter_for_another_target",
+     lambda t: ["bench", "-c", CI, "--drafter", str(_drafter(t / "d", hidden=96)), "--out", str(t / "x")],
+     r"--drafter .*/d reads target states of width 96, target\.model=random:builtin:tiny-llama's are 64; use a "
+     r"drafter trained for this target"),
+    ("bench_drafter_foreign_on_the_hf_backend",
+     lambda t: ["bench", "-c", CI, "--drafter", str(_foreign_drafter(t / "d")), "--out", str(t / "x")],
+     r"config\.json does not say which target hidden states it reads"),
     ("bench_prompts_missing",
      lambda t: ["bench", "-c", CI, "--drafter", str(_drafter(t / "d")), "--prompts", str(t / "p.jsonl"),
                 "--out", str(t / "x")],
@@ -304,6 +321,9 @@ def test_good_inputs_pass_the_preflight(tmp_path, no_ray):
         ["bench", "-c", CI, "--drafter", str(tmp_path / "drafter-ckpt"), "--prompts", "builtin:demo_eval",
          "--out", "o"],
         ["run", "-c", CI, "--out", "o"],
+        # SGLang serves another tool's export as it is
+        ["bench", "-c", CI, "--drafter", str(_foreign_drafter(tmp_path / "foreign")), "--out", "o",
+         "target.backend=sglang"],
     ]
     for argv in runs:
         args = build_parser().parse_args(argv)

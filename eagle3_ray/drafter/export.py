@@ -337,10 +337,14 @@ class _Shape:
         self.shape = shape
 
 
-def check_drafter_dir(path: str | Path, what: str = "--drafter") -> DrafterConfig:
+def check_drafter_dir(path: str | Path, what: str = "--drafter", foreign_ok: bool = False) -> DrafterConfig | None:
     """Everything ``load_drafter(path)`` needs, checked from the config and the weights' header only:
     the directory exists, is a training checkpoint or an exported drafter, and its tensors have the
-    config's names and shapes. For the driver, before any actor is given the path."""
+    config's names and shapes. For the driver, before any actor is given the path.
+
+    ``foreign_ok``: a drafter exported by another tool (no eagle3_ray section, so no known aux ids)
+    passes with its weights' header checked only; SGLang serves such a directory as it is. Returns
+    the drafter's config, or None for such a foreign one."""
     src = Path(path)
     want = "pass the --out of `eagle3-ray export` (config.json + model.safetensors)"
     if not src.exists():
@@ -351,13 +355,20 @@ def check_drafter_dir(path: str | Path, what: str = "--drafter") -> DrafterConfi
         cfg, weights = DrafterConfig.from_dict(_read_json(src / CHECKPOINT_CONFIG)), src / CHECKPOINT_WEIGHTS
     elif (src / EXPORT_CONFIG).is_file():
         raw = _read_json(src / EXPORT_CONFIG)
+        archs = raw.get("architectures") or [] if isinstance(raw, dict) else []
         if not isinstance(raw, dict) or not (raw.get("eagle3_ray") or raw.get("eagle_config")
-                                             or "eagle_aux_hidden_state_layer_ids" in raw):
+                                             or "eagle_aux_hidden_state_layer_ids" in raw
+                                             or any("eagle" in str(a).lower() for a in archs)):
             raise CheckpointError(
-                f"{what} {src}: its {EXPORT_CONFIG} is not an EAGLE-3 drafter's (no eagle_config; a target "
-                f"model directory?); {want}"
+                f"{what} {src}: its {EXPORT_CONFIG} is not an EAGLE-3 drafter's (no eagle_config or Eagle3 "
+                f"architecture; a target model directory?); {want}"
             )
-        cfg, weights = _config_from_export(raw, src / EXPORT_CONFIG, None, None), src / EXPORT_WEIGHTS
+        weights = src / EXPORT_WEIGHTS
+        if foreign_ok and not raw.get("eagle3_ray"):
+            if weights.is_file() or not any(p.suffix in (".safetensors", ".bin") for p in src.iterdir()):
+                _header_shapes(weights)  # other tools also write pytorch_model.bin, which SGLang reads
+            return None
+        cfg = _config_from_export(raw, src / EXPORT_CONFIG, None, None)
     else:
         raise CheckpointError(
             f"{what} {src} holds neither {CHECKPOINT_CONFIG} (training checkpoint) nor {EXPORT_CONFIG} "

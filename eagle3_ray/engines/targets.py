@@ -104,9 +104,14 @@ def gguf_key(gguf: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def converted_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
+    """Where ``gguf_to_hf_dir`` puts (or has put) the HF conversion of ``gguf``."""
+    return cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{gguf_key(gguf)}"
+
+
 def gguf_to_hf_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
     """Convert a GGUF to a cached HF safetensors directory, or return the one already there."""
-    dest = cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{gguf_key(gguf)}"
+    dest = converted_dir(gguf, cache_dir)
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
