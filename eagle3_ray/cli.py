@@ -114,10 +114,17 @@ def _from_remote_text(text: str) -> Eagle3Error | None:
     if not matches:
         return None
     last = matches[-1]
+    message = text[last.end():].strip()
+    if _LATER_TRACEBACK.search(message):  # ours was handled, and something else ended the task
+        return None
     cls = getattr(errors, last.group(1), None)
     if not (isinstance(cls, type) and issubclass(cls, Eagle3Error)):
         cls = Eagle3Error
-    return cls(text[last.end():].strip())
+    return cls(message)
+
+
+_LATER_TRACEBACK = re.compile(r"^(Traceback \(most recent call last\)|During handling of the above exception"
+                              r"|The above exception was the direct cause)", re.MULTILINE)
 
 
 def _one_line(e: Exception) -> str:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -361,8 +362,6 @@ def test_actor_construction_error_reaches_the_user_as_its_one_line(capsys):
     try:
         raise CheckpointError("/x holds neither drafter_config.json nor config.json\npass a drafter directory")
     except CheckpointError as e:
-        import traceback
-
         tb = "".join(traceback.format_exception(e))
         task_error = RayTaskError("BenchActor.__init__", tb, e, pid=1, ip="127.0.0.1")
     died = ActorDiedError(cause=task_error)
@@ -373,6 +372,15 @@ def test_actor_construction_error_reaches_the_user_as_its_one_line(capsys):
     assert isinstance(found, CheckpointError)
     assert _one_line(found) == "/x holds neither drafter_config.json nor config.json: pass a drafter directory"
     assert _user_error(ActorDiedError()) is None  # a system death is not a user error: it stays a traceback
+    try:  # our error handled, then a bug: the bug's traceback is what the user must see
+        try:
+            raise CheckpointError("handled")
+        except CheckpointError:
+            {}["missing"]
+    except KeyError as bug:
+        later = ActorDiedError(cause=RayTaskError("BenchActor.__init__", "".join(traceback.format_exception(bug)),
+                                                  bug, pid=1, ip="127.0.0.1"))
+    assert "eagle3_ray.errors.CheckpointError: handled" in str(later) and _user_error(later) is None
 
 
 def test_real_process_exit_status_and_single_stderr_line(tmp_path):
