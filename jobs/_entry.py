@@ -5,6 +5,10 @@ what `eagle3-ray <command>` accepts: `-c CONFIG`, `--out`, stage inputs, `sectio
 Inside a submitted job RAY_ADDRESS points at the cluster, so `init_ray` connects instead of starting
 a local Ray. The job's working directory is the uploaded `--working-dir`: the package is imported
 from it when the cluster image does not have it installed.
+
+Like the CLI, a job checks every path and model argument before it connects to the cluster
+(eagle3_ray/preflight.py; relative paths are relative to the working dir): a wrong one ends the job
+with exit status 2 and one line, `eagle3-ray <command>: error: ...`, in `ray job logs`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ One table, one row per kind. A row either
   - goes through the CLI: exit code 2 and exactly one ``eagle3-ray <cmd>: error: ...`` line, no traceback.
 Files live in tests/data/bad/; inputs too large to ship (a multi-megabyte line) or that need a real
 store/checkpoint are made in tmp_path by the row itself. No Ray: every check here runs before Ray
-would start, which is the point (fail before spending cluster time).
+would start, which is the point (fail before spending cluster time). Wrong *paths* (a directory that
+is no store, checkpoint, drafter or data file, for every path argument of every command) are in
+tests/test_cli_paths.py.
 """
 
 from __future__ import annotations
