@@ -161,8 +161,9 @@ def check_conversations(cfg: PipelineConfig, data: str | None, need_answers: boo
         else:
             return
     if prompts:
+        bad = f", {len(rejected)} bad records" if rejected else ""
         raise DataError(
-            f"{what} holds only prompts ({prompts}, no assistant turns{f', {len(rejected)} bad records' if rejected else ''}); "
+            f"{what} holds only prompts ({prompts}, no assistant turns{bad}); "
             "run `eagle3-ray generate` on it first and pass its conversations.jsonl, or use `eagle3-ray run`"
         )
     first = f", e.g. {rejected[0]}" if rejected else ""
