@@ -268,11 +268,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory; pass -c with a YAML file (see configs/)")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass -c with a YAML file (see configs/)")
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must be a mapping of sections, got {type(loaded).__name__}")

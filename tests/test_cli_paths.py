@@ -137,6 +137,13 @@ CASES: list[tuple[str, Argv, str]] = [
     ("prepare_target_is_a_missing_gguf",
      lambda t: ["prepare", "-c", CI, "--out", str(t / "x"), f"target.model={t}/model.gguf"],
      r"target\.model='.*/model\.gguf': GGUF file .* does not exist; pass 'smollm2'"),
+    # -c, the same for every command
+    ("prepare_config_is_a_directory", lambda t: ["prepare", "-c", "configs", "--out", str(t / "x")],
+     r"config file configs is a directory; pass -c with a YAML file"),
+    ("train_config_is_not_text",
+     lambda t: ((t / "c.yaml").write_bytes(b"\xff\xfe\x00bad"),
+                ["train", "-c", str(t / "c.yaml"), "--features", str(t), "--out", str(t / "x")])[1],
+     r"config file .*c\.yaml is not valid YAML"),
     # prepare
     ("prepare_data_missing", lambda t: ["prepare", "-c", CI, "--data", str(t / "no.jsonl"), "--out", str(t / "x")],
      r"--data .*no\.jsonl does not exist; pass a JSONL/JSON file of conversations or builtin:<name>"),
