@@ -252,7 +252,27 @@ CASES: list[tuple[str, Argv, str]] = [
      r"train\.init_from .*/tmp holds neither drafter_config\.json"),
     ("run_bench_prompts_missing", lambda t: ["run", "-c", CI, "--out", str(t / "x"), "bench.prompts=builtin:nope"],
      r"unknown builtin data set 'builtin:nope'"),
+    # --out under a file: refused once the inputs passed, before anything is written
     ("run_out_is_a_file", lambda t: ["run", "-c", CI, "--out", str(_jsonl(t / "o", []) / "run")],
+     r"--out .* is not a writable directory"),
+    ("prepare_out_is_a_file", lambda t: ["prepare", "-c", CI, "--out", str(_jsonl(t / "o", []) / "p")],
+     r"--out .* is not a writable directory"),
+    ("generate_out_is_a_file", lambda t: ["generate", "-c", CI, "--out", str(_jsonl(t / "o", []) / "g")],
+     r"--out .* is not a writable directory"),
+    ("extract_out_is_a_file", lambda t: ["extract", "-c", CI, "--out", str(_jsonl(t / "o", []) / "f")],
+     r"--out .* is not a writable directory"),
+    ("vocab_out_is_a_file",
+     lambda t: ["vocab", "-c", CI, "--features", str(_store(t / "f")), "--out", str(_jsonl(t / "o", []) / "v")],
+     r"--out .* is not a writable directory"),
+    ("train_out_is_a_file",
+     lambda t: ["train", "-c", CI, "--features", str(_store(t / "f")), "--vocab", str(_vocab(t / "v")),
+                "--out", str(_jsonl(t / "o", []) / "t")],
+     r"--out .* is not a writable directory"),
+    ("export_out_is_a_file",
+     lambda t: ["export", "--checkpoint", str(_checkpoint(t / "c")), "--out", str(_jsonl(t / "o", []) / "d")],
+     r"--out .* is not a writable directory"),
+    ("bench_out_is_a_file",
+     lambda t: ["bench", "-c", CI, "--drafter", str(_drafter(t / "d")), "--out", str(_jsonl(t / "o", []) / "b")],
      r"--out .* is not a writable directory"),
 ]
 
@@ -283,7 +303,7 @@ def test_every_command_and_path_argument_is_covered():
     for cmd, sub in commands.items():
         for action in sub._actions:
             flag = next((o for o in action.option_strings if o.startswith("--")), None)
-            if flag in ("--data", "--features", "--vocab", "--checkpoint", "--drafter", "--prompts"):
+            if flag in ("--data", "--features", "--vocab", "--checkpoint", "--drafter", "--prompts", "--out"):
                 assert any(n.startswith(f"{cmd}_{flag[2:]}") for n in names), f"{cmd} {flag} has no case"
 
 
