@@ -10,7 +10,9 @@ and the marker files that make it what the command needs, and raises the specifi
       (--data, data.path)                                least one usable record; prepare/extract need
                                                          one with an assistant turn
     prepared data      extract                           a prepare --out (prepared.parquet) or a .parquet
-    feature store      vocab train (--features)          store_meta.json + >= 1 completed shard
+    feature store      vocab train (--features)          store_meta.json + >= 1 completed shard; train:
+                                                         extracted from this target
+    existing store     extract (--out)                   extracted from this target (extract adds to it)
     vocab map          train (--vocab, else              vocab_map.safetensors (d2t, t2d) for the store's
                        <features>/../vocab)              target
     checkpoint         export (--checkpoint)             train_state.json, in the layout train writes
@@ -50,6 +52,7 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
         check_conversations(cfg, data_arg, need_answers=command == "prepare")
     elif command == "extract":
         check_extract_input(cfg, data_arg)
+        check_existing_store_out(cfg, args.out)
     elif command == "vocab":
         check_store(args.features)
     elif command == "train":
@@ -58,6 +61,7 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
                               "streams from the engines: use `eagle3-ray run` (or jobs/pipeline.py)")
         meta = check_store(args.features)
         check_vocab(args.vocab, args.features, meta.target_fingerprint)
+        check_store_fits_target(meta, cfg, f"--features {args.features}")
     elif command == "bench":
         from eagle3_ray.drafter.export import check_drafter_dir
 
@@ -209,6 +213,34 @@ def check_store(features: str):
             f"`eagle3-ray extract --out {p}`"
         )
     return meta
+
+
+def check_store_fits_target(meta, cfg: PipelineConfig, what: str) -> None:
+    """The store was extracted from this target (the check ``train`` makes when planning). Describing the
+    target reads its config only; a GGUF target is converted here once, as planning would anyway."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.features.store import check_compatible
+
+    info = describe_target(cfg.target)
+    try:
+        check_compatible(meta, {"hidden_size": info.hidden_size, "aux_layers": list(info.aux_layers),
+                                "vocab_size": info.vocab_size, "target_fingerprint": info.fingerprint})
+    except StoreError as e:
+        raise StoreError(f"{what}: {e}") from None
+
+
+def check_existing_store_out(cfg: PipelineConfig, out: str | None) -> None:
+    """extract adds to the store at --out: one that is there already must be this target's."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.features.store import META_FILE, StoreMeta, ensure_meta
+
+    if out is None or not (Path(out) / META_FILE).is_file():
+        return
+    info = describe_target(cfg.target)
+    # the meta run_extract writes; the file exists, so ensure_meta only reads and compares
+    ensure_meta(out, StoreMeta(hidden_size=info.hidden_size, aux_layers=list(info.aux_layers),
+                               target_fingerprint=info.fingerprint, model_type=info.model_type,
+                               vocab_size=info.vocab_size, compact=cfg.extract.compact))
 
 
 def check_vocab(vocab: str | None, features: str, store_target: str | None) -> None:

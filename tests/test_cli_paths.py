@@ -9,6 +9,7 @@ drafter checkpoint, exported drafter), sized for the ci-tiny target, and then br
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -26,7 +27,6 @@ from eagle3_ray.cli import build_parser, main
 
 CI = "configs/ci-tiny.yaml"
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 49152, 256  # the ci-tiny target's shapes, its config's draft vocab
-TARGET_FP = "ci-tiny"
 # Per in-process case: under 0.3 s each once the package is imported (the first case of a session
 # pays the torch/transformers imports); the bound leaves room for a loaded 2-core CI machine.
 FAST_S = 20.0
@@ -35,29 +35,39 @@ FAST_S = 20.0
 # ---------------------------------------------------------------- real artefacts
 
 
-def _store(root: Path, shards: int = 1) -> Path:
+@functools.lru_cache(maxsize=1)
+def _ci_fingerprint() -> str:
+    """The ci-tiny target's fingerprint, as extract writes it into a store (config only, no weights)."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.engines.describe import describe_target
+
+    return describe_target(load_config(CI).target).fingerprint
+
+
+def _store(root: Path, shards: int = 1, hidden: int = HIDDEN) -> Path:
+    """A feature store of the ci-tiny target (or of a target of width ``hidden``), through the real writer."""
     import torch
 
     from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
 
-    meta = StoreMeta(hidden_size=HIDDEN, aux_layers=[2, 4, 5], target_fingerprint=TARGET_FP, model_type="llama",
-                     vocab_size=VOCAB)
+    meta = StoreMeta(hidden_size=hidden, aux_layers=[2, 4, 5], model_type="llama", vocab_size=VOCAB,
+                     target_fingerprint=_ci_fingerprint() if hidden == HIDDEN else "other")
     with FeatureStoreWriter(root, meta, writer_id="test", shard_max_bytes=2**40) as w:
         for s in range(shards):
             n = 6
             w.add({"sample_id": f"s{s}", "input_ids": torch.arange(n, dtype=torch.int32),  # [T]
                    "loss_mask": torch.ones(n, dtype=torch.uint8),  # [T]
-                   "aux_hidden": torch.zeros(n, 3 * HIDDEN, dtype=torch.bfloat16),  # [T, 3H]
-                   "last_hidden": torch.zeros(n, HIDDEN, dtype=torch.bfloat16)})  # [T, H]
+                   "aux_hidden": torch.zeros(n, 3 * hidden, dtype=torch.bfloat16),  # [T, 3H]
+                   "last_hidden": torch.zeros(n, hidden, dtype=torch.bfloat16)})  # [T, H]
             w.flush()
     return root
 
 
-def _vocab(out: Path, target: str = TARGET_FP) -> Path:
+def _vocab(out: Path, target: str | None = None) -> Path:
     from eagle3_ray.data.vocab import build_vocab_map, save_vocab_map
 
     d2t, t2d = build_vocab_map(np.ones(VOCAB, dtype=np.int64), DRAFT_VOCAB)
-    save_vocab_map(out / "vocab_map.safetensors", d2t, t2d, {"target_fingerprint": target})
+    save_vocab_map(out / "vocab_map.safetensors", d2t, t2d, {"target_fingerprint": target or _ci_fingerprint()})
     return out
 
 
@@ -167,6 +177,9 @@ CASES: list[tuple[str, Argv, str]] = [
     # extract
     ("extract_data_missing", lambda t: ["extract", "-c", CI, "--data", str(t / "p.parquet"), "--out", str(t / "x")],
      r"--data .*p\.parquet does not exist; pass a JSONL/JSON file of conversations, the --out of `eagle3-ray prepare`"),
+    ("extract_out_is_a_store_of_another_target",
+     lambda t: ["extract", "-c", CI, "--out", str(_store(t / "f", hidden=96))],
+     r"feature store .*/f was written for another target or config: .*hidden_size.*Use a new --out"),
     ("extract_target_unknown_form", lambda t: ["extract", "-c", CI, "--out", str(t / "x"), "target.model=llama-8b"],
      r"target\.model='llama-8b' is neither an existing path nor a known form"),
     # vocab
@@ -195,7 +208,11 @@ CASES: list[tuple[str, Argv, str]] = [
     ("train_vocab_of_another_target",
      lambda t: ["train", "-c", CI, "--features", str(_store(t / "f")), "--vocab", str(_vocab(t / "v", "other")),
                 "--out", str(t / "x")],
-     r"was built for target other, the store at --features .* holds target ci-tiny; rerun `eagle3-ray vocab`"),
+     r"was built for target other, the store at --features .* holds target \w+; rerun `eagle3-ray vocab`"),
+    ("train_features_of_another_target",
+     lambda t: ["train", "-c", CI, "--features", str(_store(t / "f", hidden=96)),
+                "--vocab", str(_vocab(t / "v", "other")), "--out", str(t / "x")],
+     r"--features .*/f: feature store does not match this run: .*hidden_size.*Extract features for this target"),
     ("train_init_from_not_a_drafter",
      lambda t: ["train", "-c", CI, "--features", str(_store(t / "f")), "--vocab", str(_vocab(t / "v")),
                 "--out", str(t / "x"), f"train.init_from={t}/nothing"],
