@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 def _user_error(e: BaseException) -> Eagle3Error | None:
     """The Eagle3Error behind ``e``, if any. An error raised inside a Ray task or actor arrives wrapped
     (RayTaskError, Ray Data's UserCodeException, Ray Train's worker-group error) with the remote
-    traceback as its text; the user needs the original message."""
+    traceback as its text; the user needs the original message. An actor whose constructor raised
+    arrives as ActorDiedError with no exception object at all: the error is read from its text."""
     seen: set[int] = set()
     found: Eagle3Error | None = None
     remote: Eagle3Error | None = None
