@@ -65,7 +65,8 @@ def pytest_make_collect_report(collector):
 # other way (a CLI run, `ray start`) carries `pytest.mark.ray` itself. Under EAGLE3_TEST_FAST=1
 # (make test-fast) every Ray started by a test lands in a temp dir of its own, checked per test,
 # so an unmarked test that starts Ray fails instead of slowing the inner loop down.
-RAY_FIXTURES = {"ray_local", "local_head", "submitted_pipeline_job", "ci_tiny_prepared", "ci_tiny_inputs"}
+RAY_FIXTURES = {"ray_local", "local_head", "submitted_pipeline_job", "ci_tiny_prepared", "ci_tiny_inputs",
+                "ci_tiny_run"}
 _FAST = os.environ.get("EAGLE3_TEST_FAST") == "1"
 if _FAST:
     import tempfile
@@ -130,6 +131,15 @@ def ci_tiny_inputs(ci_tiny_prepared):
     run_extract(cfg, root / "prepare", root / "features")
     run_vocab(cfg, root / "features", root / "vocab")
     return root
+
+
+@pytest.fixture(scope="session")
+def ci_tiny_run(tmp_path_factory):
+    """ci-tiny's whole `eagle3-ray run`, stopped hard mid-training and rerun to the end (one run for
+    the session: test_fault_injection.py checks the resume, test_run_pipeline.py the outputs)."""
+    from test_fault_injection import stopped_and_rerun
+
+    return stopped_and_rerun(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

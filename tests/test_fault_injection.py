@@ -229,13 +229,17 @@ def _finish(proc: subprocess.Popen, log: Path) -> str:
     return text
 
 
-def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ray_local, tmp_path, capsys):
-    from eagle3_ray.bench.runner import PARTIAL_DIR, run_bench
+def stopped_and_rerun(tmp_path_factory) -> dict:
+    """ci-tiny's whole ``eagle3-ray run`` (a CLI process with its own local Ray, as a user's run),
+    SIGKILLed with its Ray after the first training checkpoint, then rerun to the end. Run once per
+    session (conftest.py's ``ci_tiny_run``): the fault test below checks the resume, and
+    test_run_pipeline.py checks the finished run's outputs."""
     from eagle3_ray.train.checkpoint import latest_checkpoint, read_train_state
 
-    out = tmp_path / "run"
+    tmp = tmp_path_factory.mktemp("whole_run")
+    out = tmp / "run"
     overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
-    first = _start_run(out, tmp_path / "first.log", *overrides)
+    first = _start_run(out, tmp / "first.log", *overrides)
     try:
         # A step logged after the first checkpoint: its report returned, so Ray Train finished copying
         # it to storage. (Stopping as soon as train_state.json shows up could land mid-copy and leave
@@ -246,13 +250,22 @@ def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ray_local
         shards_before = sorted(p.name for p in (out / "features" / "shards").iterdir())
     finally:
         _stop_hard(first)
-    assert not (out / "train" / "_DONE.json").exists(), "the stop must land mid-training"
+    done_before_rerun = (out / "train" / "_DONE.json").exists()
     stopped_at = read_train_state(latest_checkpoint(out / "train" / "ray_train"))["step"]
+    log = _finish(_start_run(out, tmp / "second.log", *overrides), tmp / "second.log")
+    return {"out": out, "overrides": overrides, "log": log, "shards_before": shards_before,
+            "stopped_at": stopped_at, "train_done_before_rerun": done_before_rerun}
 
-    log = _finish(_start_run(out, tmp_path / "second.log", *overrides), tmp_path / "second.log")
+
+def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ci_tiny_run, ray_local, capsys):
+    from eagle3_ray.bench.runner import PARTIAL_DIR, run_bench
+    from eagle3_ray.train.checkpoint import latest_checkpoint, read_train_state
+
+    out, log, overrides, stopped_at = (ci_tiny_run[k] for k in ("out", "log", "overrides", "stopped_at"))
+    assert not ci_tiny_run["train_done_before_rerun"], "the stop must land mid-training"
     for stage in ("prepare", "extract", "vocab"):
         assert f"[run] {stage}: done earlier, skipping" in log
-    assert sorted(p.name for p in (out / "features" / "shards").iterdir()) == shards_before
+    assert sorted(p.name for p in (out / "features" / "shards").iterdir()) == ci_tiny_run["shards_before"]
     assert read_train_state(latest_checkpoint(out / "train"))["step"] == 12
     steps = [m["step"] for m in _metrics(out / "train")]
     # Steps logged after the checkpoint and before the stop are logged again by the resumed run.
