@@ -251,7 +251,7 @@ def step_generate(a) -> dict:
         actor.close()
         torch.cuda.empty_cache()
         rows = [json.loads(x) for x in part.read_text().splitlines() if x.strip()]
-        answers[backend] = {r["sample_id"]: r["messages"][-1]["content"] for r in rows}
+        answers[backend] = {r["id"]: r["conversations"][-1]["content"] for r in rows}  # data/distill.py layout
         res[backend] = {"start_s": started, "seconds": dt, "answers": len(rows), "answers_per_s": len(rows) / dt,
                         "summary": summary}
         log(f"generate {backend}: {res[backend]}")
@@ -278,15 +278,21 @@ def step_spec(a) -> dict:
         row: dict = {"prompts": sum(map(len, sets.values())), "turns": sum(len(p.turns) for ps in sets.values() for p in ps)}
         t = time.perf_counter()
         cfg = PipelineConfig(target=target_cfg(a.target, "sglang", mem_fraction_static=0.5,
-                                               extra={"cuda_graph_max_bs_decode": 1} if a.graph_bs1 else {}),
+                                               extra={"disable_cuda_graph": True} if a.no_graphs else
+                                               {"cuda_graph_max_bs_decode": 1} if a.graph_bs1 else {}),
                              bench=bench)
-        raw = run_sglang_bench(cfg, a.drafter, {cat: [p.turns for p in ps] for cat, ps in sets.items()})
-        row["sglang"] = {"tau": raw["eagle3"]["tau"], "tokens_per_s": raw["eagle3"]["tokens_per_s"],
+        raw = run_sglang_bench(cfg, a.drafter, {cat: [p.turns for p in ps] for cat, ps in sets.items()}) \
+            if "sglang" in a.spec_engines else None
+        row["sglang"] = None if raw is None else {"tau": raw["eagle3"]["tau"], "tokens_per_s": raw["eagle3"]["tokens_per_s"],
                          "baseline_tokens_per_s": raw["baseline"]["tokens_per_s"], "speedup": raw["eagle3"]["speedup"],
                          "engine": raw["engine"], "seconds": time.perf_counter() - t,
                          "per_category_tau": {c: r["tau"] for c, r in raw["eagle3"]["per_category"].items()}}
         log(f"{name} sglang: {row['sglang']}")
+        res[name] = row
+        (Path(a.out) / f"sglang_spec{a.tag}.partial.json").write_text(json.dumps(res, indent=1, default=str))
         torch.cuda.empty_cache()
+        if "hf" not in a.spec_engines:
+            continue
         t = time.perf_counter()
         actor = BenchActor(target_cfg(a.target, "hf").model_dump(), a.drafter)
         hf = actor.run(sets, bench.model_dump())
@@ -295,7 +301,8 @@ def step_spec(a) -> dict:
         row["hf"] = {"tau": hf["tau"]["chain"], "tokens_per_s": hf["tokens_per_s"]["chain"],
                      "baseline_tokens_per_s": hf["baseline"]["tokens_per_s"], "speedup": hf["speedup"]["chain"],
                      "seconds": time.perf_counter() - t}
-        row["tau_diff_sglang_minus_hf"] = row["sglang"]["tau"] - row["hf"]["tau"]
+        if row["sglang"]:
+            row["tau_diff_sglang_minus_hf"] = row["sglang"]["tau"] - row["hf"]["tau"]
         log(f"{name} hf: {row['hf']}")
         res[name] = row
     return res
@@ -328,6 +335,8 @@ def main() -> None:
     p.add_argument("--mt-prompts", type=int, default=16)
     p.add_argument("--num-steps", type=int, default=3)
     p.add_argument("--graph-bs1", action="store_true")
+    p.add_argument("--no-graphs", action="store_true", help="CUDA graphs off in the spec benchmark's engines")
+    p.add_argument("--spec-engines", default="sglang,hf")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -312,6 +313,10 @@ class SGLangEngine:
         kwargs = engine_kwargs(target_cfg, mode, info=self.info, capture_dir=self._dir, node_rank=node_rank)
         check_server_args(kwargs)
         self._engine = sglang.Engine(**kwargs)
+        # sglang.Engine.generate runs its own event loop: one call at a time. Callers in threads
+        # (CaptureWriteUDF's concurrent batches) still overlap reading one batch's features with
+        # the next batch's forward, since reading happens outside the lock.
+        self._lock = threading.Lock()
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
         if self.mode != "capture":
@@ -322,7 +327,8 @@ class SGLangEngine:
         if any(not s for s in seqs):
             raise EngineError("capture: every sequence needs at least one token")
         rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]
-        outs = self._engine.generate(input_ids=seqs, sampling_params=[dict(CAPTURE_SAMPLING) for _ in seqs], rid=rids)
+        with self._lock:
+            outs = self._engine.generate(input_ids=seqs, sampling_params=[dict(CAPTURE_SAMPLING) for _ in seqs], rid=rids)
         return [self._collect(out["meta_info"]["id"], len(s)) for out, s in zip(outs, seqs)]
 
     def _collect(self, rid: str, num_tokens: int) -> Capture:
@@ -347,7 +353,8 @@ class SGLangEngine:
         if not prompts:
             return []
         params = [generate_sampling(max_new_tokens, temperature, top_p, seed + i) for i in range(len(prompts))]
-        outs = self._engine.generate(input_ids=[[int(t) for t in p] for p in prompts], sampling_params=params)
+        with self._lock:
+            outs = self._engine.generate(input_ids=[[int(t) for t in p] for p in prompts], sampling_params=params)
         return [list(out["output_ids"]) for out in outs]
 
     def close(self) -> None:
