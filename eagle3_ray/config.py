@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eagle3_ray.atomic import write_text
 from eagle3_ray.errors import ConfigError
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -295,7 +296,5 @@ def save_resolved(cfg: PipelineConfig, out_dir: str | Path, name: str = RESOLVED
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / name
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
-    tmp.replace(target)
+    write_text(target, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return target

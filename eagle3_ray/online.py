@@ -21,7 +21,6 @@ either side waiting for the other would stall the stream.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import ConfigError, DataError
 from eagle3_ray.extract.udfs import CaptureUDF
@@ -90,7 +90,7 @@ def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path)
         "coverage": int(counts[t2d.astype(bool)].sum()) / max(total, 1),
     }
     path = save_vocab_map(out / VOCAB_FILE, d2t, t2d, meta)
-    (out / "summary.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    write_json(out / "summary.json", meta, newline=False)
     print(f"[vocab] from prepared data: {meta['distinct_tokens']} distinct loss tokens, coverage "
           f"{meta['coverage']:.2%} -> {path}", flush=True)
     return path

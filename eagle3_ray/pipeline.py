@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
 from eagle3_ray.out_lock import out_lock
 
@@ -70,9 +71,8 @@ class StageRunner:
         result = fn(d)
         self.timings[stage] = round(time.monotonic() - t0, 1)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_name(DONE + ".tmp")
-        tmp.write_text(json.dumps({"hash": want, "result": result, "seconds": self.timings[stage]}), "utf-8")
-        tmp.replace(marker)
+        write_json(marker, {"hash": want, "result": result, "seconds": self.timings[stage]}, indent=None,
+                   newline=False)
         self._maybe_stop(stage)
         return result
 
@@ -108,7 +108,7 @@ def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: st
     except StopAfter:
         summary = {"stopped_after": stop_after, "seconds": round(time.monotonic() - t0, 1),
                    "stage_seconds": stages.timings}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        write_json(out / "summary.json", summary, newline=False)
         print(f"[run] stopped after {stop_after} as asked ({out})", flush=True)
         return summary
 
@@ -167,7 +167,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
         "seconds": round(time.monotonic() - t0, 1),
         "stage_seconds": stages.timings,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    write_json(out / "summary.json", summary, newline=False)
     _print_summary(summary)
     return summary
 

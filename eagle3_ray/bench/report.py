@@ -12,6 +12,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from eagle3_ray.atomic import write_text
 from eagle3_ray.errors import DataError
 
 REPORT_NAME = "report.md"
@@ -42,9 +43,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
     if training:
         _plot_training(training, out / TRAINING_PLOT)
     path = out / REPORT_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n\n".join(s for s in sections if s) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, "\n\n".join(s for s in sections if s) + "\n")
     return path
 
 

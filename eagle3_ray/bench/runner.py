@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.prompts import Prompt, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
@@ -341,9 +341,7 @@ def _read_partial(partial_dir: Path, category: str, key: str) -> dict[str, Any] 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, data)
 
 
 def _sglang_results(cfg: PipelineConfig, drafter_dir: str, sets: dict[str, list[Prompt]]) -> dict[str, Any]:

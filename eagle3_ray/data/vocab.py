@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from eagle3_ray.atomic import write_file
 from eagle3_ray.errors import ConfigError, DataError, StoreError
 
 _FINGERPRINT_VERSION = "vocab-map-v1"
@@ -98,13 +98,8 @@ def save_vocab_map(path: str | Path, d2t: np.ndarray, t2d: np.ndarray, meta: Map
     d2t, t2d = _as_numpy(d2t), _as_numpy(t2d)
     _check_consistent(d2t, t2d, path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    try:
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    metadata = {k: json.dumps(v) for k, v in meta.items()}
+    write_file(path, lambda tmp: save_file({"d2t": d2t, "t2d": t2d}, str(tmp), metadata=metadata))
     return path
 
 

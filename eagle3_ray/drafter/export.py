@@ -13,7 +13,6 @@ when this is wrong, so the rules below are pinned by tests.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.errors import CheckpointError, ConfigError
 
@@ -151,16 +151,9 @@ def check_state(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: Path
         raise CheckpointError(f"{source} does not hold a drafter for its config: " + ", ".join(problems))
 
 
-def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_file(path, lambda tmp: save_file(cpu, str(tmp), metadata={"format": "pt"}))
 
 
 def save_drafter_weights(drafter: Eagle3Drafter, directory: str | Path) -> Path:
@@ -168,7 +161,7 @@ def save_drafter_weights(drafter: Eagle3Drafter, directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_save(drafter.trainable_state_dict(), out / CHECKPOINT_WEIGHTS)
-    _atomic_write_json(out / CHECKPOINT_CONFIG, drafter.config.to_dict())
+    write_json(out / CHECKPOINT_CONFIG, drafter.config.to_dict())
     return out
 
 
@@ -246,7 +239,7 @@ def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, engine: Engi
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_save(tensors, out / EXPORT_WEIGHTS)
-    _atomic_write_json(out / EXPORT_CONFIG, config)
+    write_json(out / EXPORT_CONFIG, config)
     return out
 
 

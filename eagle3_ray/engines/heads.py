@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3_ray.atomic import write_file
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.errors import TargetLoadError
 
@@ -71,9 +72,8 @@ def save_target_heads(cfg: TargetConfig, out_dir: str | Path) -> Path:
             raise TargetLoadError(f"target.model={cfg.model!r} has no lm_head; EAGLE-3 needs a causal LM")
         heads = {EMBED: model.get_input_embeddings().weight, LM_HEAD: out_emb.weight}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().clone() for k, v in heads.items()}, str(tmp))
-    tmp.replace(path)
+    tensors = {k: v.detach().contiguous().clone() for k, v in heads.items()}
+    write_file(path, lambda tmp: save_file(tensors, str(tmp)))
     return path
 
 

@@ -19,14 +19,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
+from eagle3_ray.atomic import publish_dir
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.errors import TargetLoadError
 
@@ -123,26 +122,6 @@ def gguf_to_hf_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
             return dest
         log.info("converting %s to safetensors under %s (once; later loads reuse it)", gguf, dest)
         return publish_dir(dest, lambda tmp: _convert_gguf(gguf, tmp))
-
-
-def publish_dir(dest: Path, build: Callable[[Path], None]) -> Path:
-    """Build a directory in a private temp dir, then rename it into place.
-
-    The rename is atomic, so readers see either nothing or a complete directory. When two processes
-    race, the loser's rename fails because ``dest`` exists; it drops its copy and uses the winner's.
-    """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        build(tmp)
-        os.rename(tmp, dest)
-    except OSError:
-        if not dest.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
 
 CONVERSATIONS_FILE = "conversations.jsonl"
@@ -84,15 +85,17 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         ray.kill(a)
 
     joined = out / CONVERSATIONS_FILE
-    tmp = out / (CONVERSATIONS_FILE + ".tmp")
-    count = 0
-    with open(tmp, "w", encoding="utf-8") as dst:
+
+    def join(dst) -> int:
+        count = 0
         for p in parts:
             for line in p.read_text(encoding="utf-8").splitlines():
                 if line.strip():
-                    dst.write(line + "\n")
+                    dst.write((line + "\n").encode("utf-8"))
                     count += 1
-    tmp.replace(joined)
+        return count
+
+    count = write_stream(joined, join)
     write_json_atomic(
         out / "summary.json",
         {"conversations": count, "rejected": len(rejects), "parts": results,

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import DataError, StoreError
 
@@ -34,9 +35,7 @@ ENGINE_ACTOR_RESTARTS = 4
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)
+    write_json(path, obj, sort_keys=True, newline=False)
 
 
 def append_rejects(path: Path, rows: list[dict]) -> None:
@@ -146,9 +145,7 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
         }
     )
     target = out / PREPARED_FILE
-    tmp = out / (PREPARED_FILE + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(target)
+    write_file(target, lambda tmp: pq.write_table(table, tmp))
     summary = PrepareSummary(
         samples=len(sids),
         tokens=int(lengths.sum()),

@@ -4,11 +4,11 @@ then the d2t/t2d map of DESIGN.md, cached by data + target fingerprint."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
+from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 
 VOCAB_FILE = "vocab_map.safetensors"
@@ -80,7 +80,7 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
         "coverage": covered / max(total, 1),
     }
     save_vocab_map(path, d2t, t2d, meta)
-    (out / "summary.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    write_json(out / "summary.json", meta, newline=False)
     print(
         f"[vocab] {meta['distinct_tokens']} distinct loss tokens; draft vocab {cfg.vocab.draft_vocab_size} "
         f"covers {meta['coverage']:.2%} of {total:,} loss tokens -> {path}",

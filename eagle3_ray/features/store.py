@@ -28,7 +28,6 @@ import os
 import re
 import socket
 import struct
-import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +37,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eagle3_ray import __version__
+from eagle3_ray import __version__, atomic
+from eagle3_ray.atomic import TMP_PREFIX, open_exclusive, remove_quietly
 from eagle3_ray.errors import ConfigError, StoreError
 from eagle3_ray.features.compact import (
     FIELD_BLOCKS,
@@ -71,7 +71,6 @@ SHARDS_DIR = "shards"
 REJECTS_FILE = "rejects.jsonl"
 SHARD_SUFFIX = ".safetensors"
 MARKER_SUFFIX = ".done.json"
-TMP_PREFIX = ".tmp-"
 OFFSETS = "offsets"
 DEFAULT_SHARD_MAX_BYTES = 256 * 2**20
 
@@ -153,73 +152,16 @@ def check_compatible(store_meta: StoreMeta | Mapping[str, Any], expected: Mappin
         )
 
 
-# ---------------------------------------------------------------- atomic file primitives
+# ---------------------------------------------------------------- atomic writes (eagle3_ray/atomic.py)
 
 
 def _open_for_write(path: Path) -> BinaryIO:
     """Every store file is written through here (tests swap in a disk-full fake)."""
-    return open(path, "xb")
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_path(final: Path) -> Path:
-    return final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-
-
-def _write_tmp(final: Path, data: bytes) -> Path:
-    tmp = _tmp_path(final)
-    try:
-        with _open_for_write(tmp) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
-        _remove_quietly(tmp)
-        raise
-    return tmp
+    return open_exclusive(path)
 
 
 def _write_atomic(final: Path, data: bytes) -> None:
-    tmp = _write_tmp(final, data)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        _remove_quietly(tmp)
-        raise
-    _fsync_dir(final.parent)
-
-
-def _publish_if_absent(final: Path, data: bytes) -> bool:
-    """Atomically create ``final`` unless it exists; False when another process won."""
-    tmp = _write_tmp(final, data)
-    try:
-        os.link(tmp, final)  # unlike rename, link never replaces an existing file
-    except FileExistsError:
-        return False
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
-            raise
-        if final.exists():  # filesystem without hard links: best-effort check-then-rename
-            return False
-        os.replace(tmp, final)
-    finally:
-        _remove_quietly(tmp)
-    _fsync_dir(final.parent)
-    return True
+    atomic.write_bytes(final, data, opener=_open_for_write)
 
 
 def _io_error(e: OSError, path: Path) -> StoreError:
@@ -256,7 +198,7 @@ def ensure_meta(root: str | Path, meta: StoreMeta) -> StoreMeta:
     root.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(meta.to_dict(), indent=2) + "\n").encode()
     try:
-        if not (root / META_FILE).exists() and _publish_if_absent(root / META_FILE, data):
+        if not (root / META_FILE).exists() and atomic.publish_if_absent(root / META_FILE, data, _open_for_write):
             return meta
     except OSError as e:
         raise _io_error(e, root / META_FILE) from e
@@ -364,7 +306,7 @@ def cleanup_orphans(root: str | Path) -> list[Path]:
                 removed += [p] + ([_shard_path(p)] if _shard_path(p).name in names else [])
     for p in removed:
         logger.info("removing incomplete store file %s", p)
-        _remove_quietly(p)
+        remove_quietly(p)
     return removed
 
 
@@ -453,16 +395,9 @@ def _publish_shard(
     shard: Path, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], meta: StoreMeta
 ) -> tuple[int, str]:
     """Temp file, fsync, rename, fsync dir. Returns (bytes, sha256). On OSError nothing is left."""
-    tmp = _tmp_path(shard)
     try:
-        with _open_for_write(tmp) as f:
-            sha = _stream_shard(f, records, metadata, meta)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, shard)
-        _fsync_dir(shard.parent)
+        sha = atomic.write_stream(shard, lambda f: _stream_shard(f, records, metadata, meta), _open_for_write)
     except OSError as e:
-        _remove_quietly(tmp)
         raise _io_error(e, shard) from e
     return shard.stat().st_size, sha
 
@@ -549,7 +484,7 @@ class FeatureStoreWriter:
         try:
             _write_atomic(_marker_path(shard), (json.dumps(marker) + "\n").encode())
         except OSError as e:
-            _remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
+            remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
             raise _io_error(e, _marker_path(shard)) from e
         self.shards_written.append(shard)
         self.samples_written += len(ids)

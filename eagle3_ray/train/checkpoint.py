@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from eagle3_ray import atomic
 from eagle3_ray.errors import CheckpointError
 
 TRAIN_STATE = "train_state.json"
@@ -39,9 +40,7 @@ _LAYOUT = (f"{CHECKPOINT_GLOB}/{TRAIN_STATE}", f"{RUN_DIR_GLOB}/{CHECKPOINT_GLOB
 
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_json(path, obj, sort_keys=True, newline=False)
 
 
 def read_train_state(ckpt: Path) -> dict[str, Any]:
