@@ -1,4 +1,4 @@
-"""The offline feature store: atomic safetensors shards, completion markers, rejects, reader.
+"""The offline feature store: metadata, manifest (completion markers), rejects, writer, reader.
 
 Layout (docs/feature-store.md has the full description, readable without this package):
 
@@ -15,45 +15,31 @@ Layout (docs/feature-store.md has the full description, readable without this pa
 Many writer processes share one directory. None of them appends to a shared index: each shard is
 published by (temp file, fsync, rename, fsync dir) and only then gets its marker, written the same
 way. The manifest is the set of markers, so a crash at any point leaves only complete shards
-visible; a shard without a marker is an orphan and ignored. No Ray in here.
+visible; a shard without a marker is an orphan and ignored. One shard's file names, tensor layout,
+streamed write and checked load live in ``features/shards.py``; callers ask this module, never build
+store paths themselves. No Ray in here.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
 import re
-import socket
-import struct
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from eagle3_ray import __version__, atomic
 from eagle3_ray.atomic import TMP_PREFIX, open_exclusive, remove_quietly
 from eagle3_ray.errors import ConfigError, StoreError
-from eagle3_ray.features.compact import (
-    FIELD_BLOCKS,
-    FP8_DTYPE,
-    SCALE_DTYPE,
-    check_format,
-    compact_record,
-    expand_record,
-    scale_name,
-)
+from eagle3_ray.features import shards
+from eagle3_ray.features.compact import check_format, compact_record
 from eagle3_ray.features.record import (
-    AUX_HIDDEN,
-    INPUT_IDS,
-    LAST_HIDDEN,
-    LOSS_MASK,
     SAMPLE_ID,
     TENSOR_FIELDS,
     bytes_per_token,
@@ -61,17 +47,21 @@ from eagle3_ray.features.record import (
     to_torch_record,
     validate_record,
 )
+from eagle3_ray.features.shards import SHARDS_DIR  # noqa: F401 (preflight.py imports it from here)
+from eagle3_ray.features.shards import (
+    FORMAT_VERSION,
+    CorruptShard,
+    ShardInfo,
+    marker_files,
+    marker_path,
+    shard_intact,
+    shard_path,
+)
 
 logger = logging.getLogger(__name__)
 
-FORMAT_NAME = "eagle3_ray.features"
-FORMAT_VERSION = 1
 META_FILE = "store_meta.json"
-SHARDS_DIR = "shards"
 REJECTS_FILE = "rejects.jsonl"
-SHARD_SUFFIX = ".safetensors"
-MARKER_SUFFIX = ".done.json"
-OFFSETS = "offsets"
 DEFAULT_SHARD_MAX_BYTES = 256 * 2**20
 
 # Fields two runs must agree on to share a store; model_type and created_by are informational.
@@ -79,23 +69,6 @@ COMPAT_FIELDS = ("format_version", "hidden_size", "aux_layers", "target_fingerpr
                  "compact")
 
 _WRITER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16",
-              torch.float32: "F32", FP8_DTYPE: "F8_E4M3"}
-_HIDDEN_FIELDS = (AUX_HIDDEN, LAST_HIDDEN)
-
-
-def _shard_layout(compact: str, n: int, n_tok: int, hidden: int) -> list[tuple[str, torch.dtype, list[int]]]:
-    """(name, dtype, shape) of every shard tensor in data-section order. Every tensor starts
-    naturally aligned in an mmap: the 8-byte offsets first, and each tensor's byte size before
-    the int32 ids is a multiple of 4 (8·(n+1), 16·N scales, 8·H·N bf16 or 4·H·N fp8)."""
-    widths = {AUX_HIDDEN: 3 * hidden, LAST_HIDDEN: hidden}
-    layout = [(OFFSETS, torch.int64, [n + 1])]
-    if compact == "fp8":
-        layout += [(scale_name(k), SCALE_DTYPE, [n_tok, FIELD_BLOCKS[k]]) for k in _HIDDEN_FIELDS]
-        layout += [(k, FP8_DTYPE, [n_tok, widths[k]]) for k in _HIDDEN_FIELDS]
-    else:
-        layout += [(k, torch.bfloat16, [n_tok, widths[k]]) for k in _HIDDEN_FIELDS]
-    return layout + [(INPUT_IDS, torch.int32, [n_tok]), (LOSS_MASK, torch.uint8, [n_tok])]
 
 
 @dataclass(frozen=True)
@@ -218,75 +191,57 @@ def ensure_meta(root: str | Path, meta: StoreMeta) -> StoreMeta:
     return existing
 
 
+def create_store(root: str | Path, meta: StoreMeta) -> StoreMeta:
+    """Create the store at ``root`` for ``meta``, or check that the one there matches (as
+    ``ensure_meta``); returns the store's meta. Call before any work that writes to it."""
+    meta = ensure_meta(root, meta)
+    shards.shards_dir(root).mkdir(exist_ok=True)
+    return meta
+
+
 # ---------------------------------------------------------------- manifest (completion markers)
 
 
-def _shards_dir(root: str | Path) -> Path:
-    return Path(root) / SHARDS_DIR
-
-
-def _marker_path(shard: Path) -> Path:
-    return shard.with_name(shard.name[: -len(SHARD_SUFFIX)] + MARKER_SUFFIX)
-
-
-def _shard_path(marker: Path) -> Path:
-    return marker.with_name(marker.name[: -len(MARKER_SUFFIX)] + SHARD_SUFFIX)
-
-
-def _read_marker(path: Path) -> dict[str, Any]:
-    """Parsed marker; ValueError/OSError when it cannot be used."""
-    d = json.loads(path.read_text(encoding="utf-8"))
-    for key, typ in (("sample_ids", list), ("tokens", int), ("bytes", int), ("sha256", str)):
-        if not isinstance(d.get(key), typ):
-            raise ValueError(f"marker field {key!r} missing or not {typ.__name__}")
-    return d
-
-
-def _marker_files(root: str | Path) -> list[Path]:
-    d = _shards_dir(root)
-    if not d.is_dir():
-        return []
-    return sorted(p for p in d.iterdir() if p.name.endswith(MARKER_SUFFIX) and not p.name.startswith(TMP_PREFIX))
+_marker_files = marker_files  # the name preflight.py imports
 
 
 def manifest(root: str | Path) -> list[dict[str, Any]]:
     """Every readable completion marker, in shard-name order; unreadable ones are logged and left
     out (their samples are then not complete and get redone)."""
     out = []
-    for m in _marker_files(root):
+    for m in marker_files(root):
         try:
-            out.append(_read_marker(m))
+            out.append(shards.read_marker(m))
         except (OSError, ValueError) as e:
             logger.warning("ignoring unreadable completion marker %s: %s", m, e)
     return out
-
-
-def _shard_intact(marker_path: Path, marker: Mapping[str, Any]) -> bool:
-    try:
-        return _shard_path(marker_path).stat().st_size == marker["bytes"]
-    except OSError:
-        return False
 
 
 def completed_ids(root: str | Path) -> set[str]:
     """Sample ids in completed shards (marker present, shard of the recorded size): skip these
     when resuming. Cheap: reads markers and stats shards, never shard contents."""
     done: set[str] = set()
-    for m in _marker_files(root):
+    for m in marker_files(root):
         try:
-            marker = _read_marker(m)
+            marker = shards.read_marker(m)
         except (OSError, ValueError):
             continue
-        if _shard_intact(m, marker):
+        if shard_intact(m, marker):
             done.update(marker["sample_ids"])
     return done
+
+
+def batch_committed(root: str | Path, writer_id: str) -> bool:
+    """Whether ``writer_id``'s first shard is complete. A writer named after its batch (one shard
+    per batch, as extraction's engine actors write) then has nothing left to redo."""
+    return shards.marker_file(root, shards.shard_name(writer_id, 0)).exists()
 
 
 def cleanup_orphans(root: str | Path) -> list[Path]:
     """Remove what a crash leaves behind: temp files, shards without a marker, and markers whose
     shard is missing or truncated. Only call while no writer is running on ``root`` (a live
     writer's shard is unmarked for a moment). Returns the removed paths."""
-    d = _shards_dir(root)
+    d = shards.shards_dir(root)
     if not d.is_dir():
         return []
     removed: list[Path] = []
@@ -295,15 +250,15 @@ def cleanup_orphans(root: str | Path) -> list[Path]:
         p = d / name
         if name.startswith(TMP_PREFIX):
             removed.append(p)
-        elif name.endswith(SHARD_SUFFIX) and _marker_path(p).name not in names:
+        elif name.endswith(shards.SHARD_SUFFIX) and marker_path(p).name not in names:
             removed.append(p)
-        elif name.endswith(MARKER_SUFFIX):
+        elif name.endswith(shards.MARKER_SUFFIX):
             try:
-                intact = _shard_intact(p, _read_marker(p))
+                intact = shard_intact(p, shards.read_marker(p))
             except (OSError, ValueError):
                 intact = False
             if not intact:
-                removed += [p] + ([_shard_path(p)] if _shard_path(p).name in names else [])
+                removed += [p] + ([shard_path(p)] if shard_path(p).name in names else [])
     for p in removed:
         logger.info("removing incomplete store file %s", p)
         remove_quietly(p)
@@ -349,46 +304,7 @@ def rejected_ids(root: str | Path) -> set[str]:
     return {r["sample_id"] for r in read_rejects(root) if "sample_id" in r}
 
 
-# ---------------------------------------------------------------- shard writing
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _safetensors_header(tensors: Sequence[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]) -> bytes:
-    """The safetensors header for tensors laid out back to back in the given order."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    start = 0
-    for name, dtype, shape in tensors:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [start, start + nbytes]}
-        start += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)  # keeps the data section 8-byte aligned
-    return struct.pack("<Q", len(blob)) + blob
-
-
-def _stream_shard(f: BinaryIO, records: Sequence[Mapping[str, Any]], metadata: dict[str, str], meta: StoreMeta) -> str:
-    """Write one shard in safetensors format straight from the per-sample tensors (no concatenated
-    copy of a 256 MiB shard in memory) and return its sha256. Records are already in the store's
-    format (``compact_record`` applied for fp8)."""
-    lengths = [record_num_tokens(r) for r in records]
-    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)  # [n+1]
-    layout = _shard_layout(meta.compact, len(records), int(offsets[-1]), meta.hidden_size)
-    sha = hashlib.sha256()
-
-    def put(buf: bytes | memoryview) -> None:
-        f.write(buf)
-        sha.update(buf)
-
-    put(_safetensors_header(layout, metadata))
-    put(_raw_bytes(offsets))
-    for name, dtype, _ in layout[1:]:
-        for r in records:
-            assert r[name].dtype == dtype, f"{name} is {r[name].dtype}, the shard layout says {dtype}"
-            put(_raw_bytes(r[name]))
-    return sha.hexdigest()
+# ---------------------------------------------------------------- writer
 
 
 def _publish_shard(
@@ -396,15 +312,12 @@ def _publish_shard(
 ) -> tuple[int, str]:
     """Temp file, fsync, rename, fsync dir. Returns (bytes, sha256). On OSError nothing is left."""
     try:
-        sha = atomic.write_stream(shard, lambda f: _stream_shard(f, records, metadata, meta), _open_for_write)
+        sha = atomic.write_stream(
+            shard, lambda f: shards.stream_shard(f, records, metadata, meta.compact, meta.hidden_size),
+            _open_for_write)
     except OSError as e:
         raise _io_error(e, shard) from e
     return shard.stat().st_size, sha
-
-
-def _existing_seqs(shards_dir: Path, writer_id: str) -> list[int]:
-    pat = re.compile(rf"^{re.escape(writer_id)}-(\d+)({re.escape(SHARD_SUFFIX)}|{re.escape(MARKER_SUFFIX)})$")
-    return [int(m.group(1)) for p in shards_dir.iterdir() if (m := pat.match(p.name))]
 
 
 class FeatureStoreWriter:
@@ -423,12 +336,10 @@ class FeatureStoreWriter:
         if shard_max_bytes < 1:
             raise ConfigError(f"extract.shard_max_bytes={shard_max_bytes} must be >= 1")
         self.root = Path(root)
-        self.meta = ensure_meta(self.root, meta)
+        self.meta = create_store(self.root, meta)
         self.writer_id = writer_id
         self.shard_max_bytes = shard_max_bytes
-        self._dir = _shards_dir(self.root)
-        self._dir.mkdir(exist_ok=True)
-        self._seq = max(_existing_seqs(self._dir, writer_id), default=-1) + 1
+        self._seq = max(shards.existing_seqs(self.root, writer_id), default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
         self._buffer_bytes = 0
         self._bpt = bytes_per_token(self.meta.hidden_size, self.meta.compact)
@@ -458,9 +369,9 @@ class FeatureStoreWriter:
 
     def _next_name(self) -> str:
         while True:
-            name = f"{self.writer_id}-{self._seq:06d}"
+            name = shards.shard_name(self.writer_id, self._seq)
             self._seq += 1
-            if not any((self._dir / f"{name}{suffix}").exists() for suffix in (SHARD_SUFFIX, MARKER_SUFFIX)):
+            if not (shards.shard_file(self.root, name).exists() or shards.marker_file(self.root, name).exists()):
                 return name
 
     def flush(self) -> Path | None:
@@ -469,23 +380,18 @@ class FeatureStoreWriter:
         if not self._buffer:
             return None
         name = self._next_name()
-        shard = self._dir / f"{name}{SHARD_SUFFIX}"
+        shard = shards.shard_file(self.root, name)
         ids = [r[SAMPLE_ID] for r in self._buffer]
-        metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "writer": self.writer_id,
-                    "sample_ids": json.dumps(ids), "aux_layers": json.dumps(self.meta.aux_layers),
-                    "hidden_size": str(self.meta.hidden_size)}
-        if self.meta.compact != "none":  # bf16 shards keep the metadata they always had
-            metadata["compact"] = self.meta.compact
+        metadata = shards.shard_metadata(self.writer_id, ids, self.meta.aux_layers, self.meta.hidden_size,
+                                         self.meta.compact)
         nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta)
         tokens = sum(record_num_tokens(r) for r in self._buffer)
-        marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": self.writer_id,
-                  "producer": f"{socket.gethostname()}:{os.getpid()}",  # which process wrote it (informational)
-                  "sample_ids": ids, "num_samples": len(ids), "tokens": tokens, "bytes": nbytes, "sha256": sha}
+        marker = marker_path(shard)
         try:
-            _write_atomic(_marker_path(shard), (json.dumps(marker) + "\n").encode())
+            _write_atomic(marker, shards.marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha))
         except OSError as e:
             remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
-            raise _io_error(e, _marker_path(shard)) from e
+            raise _io_error(e, marker) from e
         self.shards_written.append(shard)
         self.samples_written += len(ids)
         self.tokens_written += tokens
@@ -510,84 +416,6 @@ class FeatureStoreWriter:
 # ---------------------------------------------------------------- reader
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    path: Path
-    sample_ids: list[str]
-    tokens: int
-    bytes: int
-    sha256: str
-    offsets: np.ndarray = field(repr=False)  # int64 [n+1], token offsets of the samples
-
-
-class _CorruptShard(Exception):
-    pass
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 2**20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _check_layout(f: Any, meta: StoreMeta, n: int) -> int:
-    """Checks tensor names, dtypes and shapes of an open shard; returns its token count N."""
-    names = {name for name, _, _ in _shard_layout(meta.compact, n, 0, meta.hidden_size)}
-    if set(f.keys()) != names:
-        raise _CorruptShard(f"tensors {sorted(f.keys())}, expected {sorted(names)} "
-                            f"(store format compact={meta.compact!r})")
-    n_tok = (f.get_slice(INPUT_IDS).get_shape() or [-1])[0]
-    for name, dtype, shape in _shard_layout(meta.compact, n, n_tok, meta.hidden_size):
-        s = f.get_slice(name)
-        if (s.get_dtype(), list(s.get_shape())) != (_ST_DTYPES[dtype], shape):
-            raise _CorruptShard(f"{name} is {s.get_dtype()} {s.get_shape()}, expected {_ST_DTYPES[dtype]} {shape}")
-    return n_tok
-
-
-def _json_field(metadata: Mapping[str, str], key: str) -> Any:
-    try:
-        return json.loads(metadata[key])
-    except (KeyError, ValueError) as e:
-        raise _CorruptShard(f"shard metadata {key!r} missing or not JSON") from e
-
-
-def _load_shard(marker_path: Path, meta: StoreMeta, verify: bool) -> ShardInfo:
-    path = _shard_path(marker_path)
-    try:
-        marker = _read_marker(marker_path)
-    except (OSError, ValueError) as e:
-        raise _CorruptShard(f"unreadable completion marker {marker_path.name}: {e}") from e
-    if not path.is_file():
-        raise _CorruptShard("shard file missing (its marker exists)")
-    size = path.stat().st_size
-    if size != marker["bytes"]:
-        raise _CorruptShard(f"size {size} bytes, marker says {marker['bytes']} (truncated or overwritten)")
-    if verify and _sha256_file(path) != marker["sha256"]:
-        raise _CorruptShard("sha256 differs from its marker (bytes changed on disk)")
-    ids = marker["sample_ids"]
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            n_tok = _check_layout(f, meta, len(ids))
-            md = f.metadata() or {}
-            offsets = f.get_tensor(OFFSETS).numpy()  # [n+1]
-    except _CorruptShard:
-        raise
-    except Exception as e:  # safetensors raises its own error types for a bad header
-        raise _CorruptShard(f"bad safetensors header: {e}") from e
-    if _json_field(md, "sample_ids") != ids:
-        raise _CorruptShard("sample ids in the shard differ from its marker")
-    if _json_field(md, "aux_layers") != list(meta.aux_layers):
-        raise _CorruptShard(f"aux layers {md.get('aux_layers')} differ from the store's {meta.aux_layers}")
-    if md.get("compact", "none") != meta.compact:
-        raise _CorruptShard(f"format compact={md.get('compact', 'none')!r} differs from the store's {meta.compact!r}")
-    if n_tok != marker["tokens"] or offsets[0] != 0 or offsets[-1] != n_tok or (np.diff(offsets) <= 0).any():
-        raise _CorruptShard(f"offsets inconsistent with {n_tok} tokens (marker: {marker['tokens']})")
-    return ShardInfo(path=path, sample_ids=list(ids), tokens=n_tok, bytes=size, sha256=marker["sha256"],
-                     offsets=offsets.astype(np.int64))
-
-
 class FeatureStore:
     """Read-only view of the completed shards: a sized, indexable iterable of feature records.
 
@@ -599,15 +427,15 @@ class FeatureStore:
 
     _MAX_OPEN = 8  # open shard handles kept for random access
 
-    def __init__(self, root: Path, meta: StoreMeta, shards: list[ShardInfo], skipped: list[dict[str, str]]):
+    def __init__(self, root: Path, meta: StoreMeta, infos: list[ShardInfo], skipped: list[dict[str, str]]):
         self.root = root
         self.meta = meta
-        self.shards = shards
+        self.shards = infos
         self.skipped_shards = skipped
         seen: set[str] = set()
         loc: list[tuple[int, int]] = []
         self.duplicate_ids: list[str] = []
-        for k, s in enumerate(shards):
+        for k, s in enumerate(infos):
             for j, sid in enumerate(s.sample_ids):
                 if sid in seen:
                     self.duplicate_ids.append(sid)
@@ -615,8 +443,8 @@ class FeatureStore:
                 seen.add(sid)
                 loc.append((k, j))
         self._loc = np.array(loc, dtype=np.int64).reshape(-1, 2)  # [n, 2] (shard, row)
-        self.sample_ids = [shards[k].sample_ids[j] for k, j in loc]
-        shard_lengths = [np.diff(s.offsets) for s in shards]
+        self.sample_ids = [infos[k].sample_ids[j] for k, j in loc]
+        shard_lengths = [np.diff(s.offsets) for s in infos]
         self.lengths = np.array([shard_lengths[k][j] for k, j in loc], dtype=np.int64)  # [n] tokens
         self.num_tokens = int(self.lengths.sum())
         self._handles: OrderedDict[int, Any] = OrderedDict()
@@ -635,7 +463,7 @@ class FeatureStore:
         if k in self._handles:
             self._handles.move_to_end(k)
         else:
-            self._handles[k] = safe_open(str(self.shards[k].path), framework="pt")
+            self._handles[k] = shards.open_shard(self.shards[k].path)
             if len(self._handles) > self._MAX_OPEN:
                 self._handles.popitem(last=False)
         return self._handles[k]
@@ -645,13 +473,7 @@ class FeatureStore:
             raise IndexError(f"sample index {i} out of range for a store of {len(self)} samples")
         k, j = (int(x) for x in self._loc[i])
         start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
-        f = self._handle(k)
-        fp8 = self.meta.compact == "fp8"
-        names = TENSOR_FIELDS + (tuple(scale_name(n) for n in FIELD_BLOCKS) if fp8 else ())
-        rec: dict[str, Any] = {SAMPLE_ID: self.shards[k].sample_ids[j]}
-        for name in names:
-            rec[name] = f.get_slice(name)[start:end]  # reads rows [start, end) only
-        return expand_record(rec) if fp8 else rec
+        return shards.read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact)
 
     def close(self) -> None:
         """Release the open shard files (reading again reopens them)."""
@@ -673,12 +495,12 @@ def open_store(root: str | Path, on_corrupt: Literal["abort", "skip"] = "abort",
         raise ConfigError(f"extract.on_corrupt_shard={on_corrupt!r} must be 'abort' or 'skip'")
     root = Path(root)
     meta = read_meta(root)
-    shards, skipped = [], []
-    for m in _marker_files(root):
+    infos, skipped = [], []
+    for m in marker_files(root):
         try:
-            shards.append(_load_shard(m, meta, verify))
-        except _CorruptShard as e:
-            path = _shard_path(m)
+            infos.append(shards.load_shard(m, meta.compact, meta.hidden_size, meta.aux_layers, verify))
+        except CorruptShard as e:
+            path = shard_path(m)
             if on_corrupt == "abort":
                 raise StoreError(
                     f"corrupt feature shard {path}: {e}. Delete {path.name} and {m.name}, then rerun "
@@ -687,4 +509,4 @@ def open_store(root: str | Path, on_corrupt: Literal["abort", "skip"] = "abort",
                 ) from None
             logger.warning("skipping corrupt feature shard %s: %s", path, e)
             skipped.append({"path": str(path), "reason": str(e)})
-    return FeatureStore(root, meta, shards, skipped)
+    return FeatureStore(root, meta, infos, skipped)
