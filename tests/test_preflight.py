@@ -17,7 +17,7 @@ H = 576  # SmolLM2-135M
 def test_projected_bytes_is_tokens_times_bytes_per_token():
     assert bytes_per_token(H) == 4 * H * 2 + 4 + 1
     assert projected_bytes(1000, H) == 1000 * (8 * H + 5)
-    # DESIGN.md scale check: a 2,100-token Kimi-K2.5 sample is about 120 MB of features
+    # docs/contracts.md scale check: a 2,100-token Kimi-K2.5 sample is about 120 MB of features
     assert 115e6 < projected_bytes(2100, 7168) < 125e6
 
 

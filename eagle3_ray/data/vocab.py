@@ -1,4 +1,4 @@
-"""The draft vocabulary map (DESIGN.md, "Vocab map"). No Ray in here.
+"""The draft vocabulary map (docs/contracts.md, "Vocab map"). No Ray in here.
 
 The drafter predicts over the ``draft_vocab_size`` most frequent target tokens (counted over
 loss-masked tokens only). Two tensors translate between the vocabularies:

@@ -2,7 +2,7 @@
 
 Training checkpoint dir: ``drafter.safetensors`` (every drafter tensor but ``embed_tokens``, in
 training dtype) + ``drafter_config.json`` (``DrafterConfig.to_dict()``).
-Exported dir (DESIGN.md "Export directory"): ``config.json`` + ``model.safetensors`` holding
+Exported dir (docs/contracts.md "Export directory"): ``config.json`` + ``model.safetensors`` holding
 exactly ``EXPORT_KEYS`` (bf16 weights, d2t int64, t2d bool). Only safetensors, never pickle.
 
 Aux layer ids are HF ``hidden_states`` indices inside this package and are translated per engine
@@ -133,7 +133,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 def check_state(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: Path) -> None:
     """Refuse missing/extra keys and shape mismatches, naming every one of them."""
     shapes = expected_shapes(cfg)
-    assert set(shapes) == EXPORT_KEYS, "the module layout drifted from DESIGN.md"
+    assert set(shapes) == EXPORT_KEYS, "the module layout drifted from docs/contracts.md"
     problems = []
     missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing:

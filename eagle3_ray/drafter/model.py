@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter: one Llama decoder layer over (target embedding, fused target hidden state).
 
-Parameter names are exactly the ``LlamaForCausalLMEagle3`` layout SGLang and vLLM load (DESIGN.md
+Parameter names are exactly the ``LlamaForCausalLMEagle3`` layout SGLang and vLLM load (docs/contracts.md
 "Drafter"), so export is a dtype cast and a key filter. The math follows SGLang's
 ``srt/models/llama_eagle3.py``: residual from ``h``, q/k/v over
 ``cat(input_layernorm(embed), hidden_norm(h))``, fused residual adds, neox RoPE on positions.
@@ -49,7 +49,7 @@ class DrafterConfig:
     vocab_size: int  # target vocabulary (rows of the bound embedding, length of t2d)
     draft_vocab_size: int  # lm_head rows, length of d2t
     target_hidden_size: int  # Ht; fc reads 3 * Ht
-    aux_layers: list[int] = field(default_factory=list)  # HF hidden_states indices (DESIGN.md)
+    aux_layers: list[int] = field(default_factory=list)  # HF hidden_states indices (docs/contracts.md "Aux layer ids")
     target_model_type: str = "llama"  # HF model_type of the target, decides SGLang's aux-id rule
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -175,8 +175,7 @@ class DrafterKVCache:
         # growing: a decoding cache, one call per draft step, so its key length differs on every call;
         # attention then runs without cuDNN (sdpa_for_growing_keys). The TTT unroll's cache (False)
         # sees the same shapes every training step and keeps torch's choice: cuDNN's plans are reused
-        # there, and without cuDNN the masked GQA attention fell back to the math kernel (2.5x slower
-        # 8B-shaped steps on an H200).
+        # there, and without cuDNN the masked GQA attention falls back to the slow math kernel.
         self.growing = growing
         self.k: torch.Tensor | None = None  # [B, kv, S, D]
         self.v: torch.Tensor | None = None  # [B, kv, S, D]
@@ -261,9 +260,9 @@ def attention_backends(cache: "DrafterKVCache | None", device: torch.device):
 
 def sdpa_for_growing_keys(device: torch.device):
     """sdpa without the cuDNN backend on CUDA (a no-op elsewhere), for decoding whose key length
-    grows every call: cuDNN builds an execution plan per new shape, which on an H200 (torch 2.11)
-    cost ~25 ms of host time per drafter attention (benchmarks/results/README.md, quality section).
-    CUDA-graph replays (fixed shapes) do not pay it and keep torch's choice."""
+    grows every call: cuDNN builds an execution plan per new shape, milliseconds of host time per
+    drafter attention (benchmarks/results/README.md, quality section). CUDA-graph replays (fixed
+    shapes) do not pay it and keep torch's choice."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -346,7 +345,7 @@ class RotaryEmbedding:
 
 
 class Eagle3Drafter(nn.Module):
-    """EAGLE-3 drafter in the exact ``LlamaForCausalLMEagle3`` layout (DESIGN.md "Drafter").
+    """EAGLE-3 drafter in the exact ``LlamaForCausalLMEagle3`` layout (docs/contracts.md "Drafter").
 
     ``embed_tokens`` is the target's input embedding, frozen and never exported: call
     ``bind_embedding`` before ``forward``. ``d2t``/``t2d`` default to the identity map of the
@@ -373,7 +372,7 @@ class Eagle3Drafter(nn.Module):
         self.rotary = RotaryEmbedding(config)
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the vocab map (DESIGN.md "Vocab map"): target_id = draft_id + d2t[draft_id]."""
+        """Install the vocab map (docs/contracts.md "Vocab map"): target_id = draft_id + d2t[draft_id]."""
         vd, v = self.config.draft_vocab_size, self.config.vocab_size
         if tuple(d2t.shape) != (vd,) or tuple(t2d.shape) != (v,):
             raise ConfigError(

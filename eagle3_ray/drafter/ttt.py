@@ -246,7 +246,7 @@ def _logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     bf16/fp16 values are exact in TF32 (TF32 keeps 10 mantissa bits, bf16 7, fp16 10, and TF32 has
     fp32's exponent range), and tensor cores accumulate TF32 products in fp32; so on CUDA with half
-    inputs the TF32 matmul gives the fp32 result ~8x faster than fp32 FMA units.
+    inputs the TF32 matmul gives the fp32 result at tensor-core speed.
     """
     half = (torch.bfloat16, torch.float16)
     if h.is_cuda and h.dtype in half and w.dtype in half:
@@ -325,8 +325,8 @@ def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:
     """Metrics from one host sync; tau = 1 + sum_k prod_{j<=k} acc_j (simulated acceptance).
 
     ``tau_served`` uses accuracies that count targets outside the draft vocab as misses, as real
-    decoding does; on held-out SmolLM2 text it was within 0.04 of real chain(3) acceptance, where
-    ``tau`` was 0.13 above it (benchmarks/results/tau_consistency_cpu.md).
+    decoding does, and so tracks real chain acceptance more closely than ``tau``
+    (benchmarks/results/tau_consistency_cpu.md).
     """
     out = {"loss": sum(loss_decay**i * ce for i, (ce, *_) in enumerate(stats))}
     tau, chain, served, served_chain = 1.0, 1.0, 1.0, 1.0

@@ -1,6 +1,6 @@
 """The target-engine interface every capture/generation backend implements. No Ray in here.
 
-Aux layer convention (DESIGN.md): ids are HF ``hidden_states`` indices, k = the residual stream
+Aux layer convention (docs/contracts.md "Aux layer ids"): ids are HF ``hidden_states`` indices, k = the residual stream
 after k decoder layers (0 = embeddings). Default ``[2, L//2, L-3]``.
 """
 

@@ -49,8 +49,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Host copies of ``tensors``. From CUDA they land in pinned memory and are only enqueued on the
     current stream: read them after that stream is synchronised, and keep the sources alive until then.
 
-    Pageable copies into fresh pages measured ~1.5 GB/s on an H200 host, pinned ones 55 GB/s; torch's
-    caching host allocator hands freed pinned blocks back out, so in steady state nothing is allocated.
+    Pinned copies run an order of magnitude faster than pageable ones into fresh pages
+    (benchmarks/results/README.md, extraction); torch's caching host allocator hands freed pinned blocks back out, so in steady state nothing is allocated.
     """
     if tensors[0].device.type != "cuda":
         return [t.to("cpu", copy=True) for t in tensors]

@@ -2,8 +2,8 @@
 
 Self-distillation asks the target for thousands of answers. transformers' ``generate`` on its
 DynamicCache launches every kernel of every step from Python and grows each layer's cache by
-concatenation; for a small target on a GPU that is launch-bound: SmolLM2-135M answered 11
-prompts/s at batch 512 on an H200. ``StaticBatchGenerator`` does the same greedy or sampled
+concatenation; for a small target on a GPU that is launch-bound (benchmarks/results/README.md,
+``batch_generate_*``). ``StaticBatchGenerator`` does the same greedy or sampled
 decoding with
 
 - one KV storage ``[L, 2, B, kv_heads, S, head_dim]`` for the batch, prompts left-padded so every

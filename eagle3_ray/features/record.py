@@ -1,6 +1,6 @@
 """The feature record: what extraction produces for one sample and training consumes.
 
-One record per sample (DESIGN.md, "Feature record"):
+One record per sample (docs/contracts.md, "Feature record"):
 
     sample_id    str
     input_ids    int32 [T]

@@ -81,9 +81,8 @@ class StaticTarget:
     ``aux_layers``: target ``hidden_states`` indices the drafter reads (its ``config.aux_layers``);
     empty for plain decoding only. ``max_length``: prompt + new tokens + the widest verify of any
     generation run through it. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
-    ``max_graph_width``: wider forwards (a tree's verify is its token budget + 1) run eagerly. With
-    the old limit of 64, trees of 64 and 80 tokens on the H200 (SmolLM2-135M) ran at 81-88 tokens/s
-    against 197 at 48 tokens: their verify ran eagerly (not separated from their deeper drafting).
+    ``max_graph_width``: wider forwards (a tree's verify is its token budget + 1) run eagerly, and
+    markedly slower: keep it above the widest tree verify (benchmarks/results/README.md, quality).
     """
 
     def __init__(

@@ -79,8 +79,8 @@ def _build_drafter(job: TrainJob, device: torch.device):
 def resolve_attention(setting: str, device_type: str) -> str:
     """``train.attention`` -> the implementation to run; flex trains only on CUDA (no CPU backward).
 
-    ``auto`` is sdpa everywhere for now: flex's gradients matched sdpa's on an H200, but its speed
-    in the training loop has not been measured yet (benchmarks/results/README.md).
+    ``auto`` is sdpa everywhere: flex matches sdpa's loss and gradients, and is not the default
+    until its speed in the training loop is known (benchmarks/results/README.md).
     """
     from eagle3_ray.errors import ConfigError
 
@@ -173,8 +173,7 @@ def pack_stream(shard) -> Iterator[dict]:
     """One pass over a worker's dataset shard, as an iterator.
 
     ``DataIterator.iter_rows()`` returns an *iterable* that starts a new execution of the whole
-    dataset on every ``iter()``; taking rows from it directly (``next(r for r in shard_rows ...)``)
-    re-ran the pipeline for every step.
+    dataset on every ``iter()``, so the pass takes one iterator and draws every step's rows from it.
     """
     return iter(shard.iter_rows())
 

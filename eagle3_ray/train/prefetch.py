@@ -3,8 +3,8 @@ copied to the device while the current step runs.
 
 Without it, every step first waited for its pack on the training thread: taking the row from Ray
 Data, making its arrays contiguous and copying them to the GPU (64 MB per 2048-token pack at the
-8B shape), with the GPU idle all the while. With it, the 8B-shaped loop on H200s waited for packs
-1% of the time (`input_wait`; benchmarks/results/README.md).
+8B shape), with the GPU idle all the while. The `input_wait` metric shows what is left of that wait
+(benchmarks/results/README.md).
 
 On CUDA the copies run on a side stream; the training stream waits for the pack's event before
 using it, and the tensors are recorded on that stream so the allocator does not reuse their memory
