@@ -19,7 +19,8 @@ setup:
 # own directory under .deps/ (read by the contract tests, tests/sglang_contract/).
 sglang-src:
 	$(PIP) install -q -r requirements-sglang-cpu.txt
-	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q --no-deps --upgrade --target .deps/sglang-0.5.17 sglang==0.5.17 -r requirements-sglang-cpu-0.5.17.txt
+	$(PIP) install -q --no-deps --upgrade --target .deps/sglang-0.5.23 sglang==0.5.23
 
 setup-dev: setup sglang-src
 	$(INSTALL) -e ".[dev]"

@@ -1,11 +1,12 @@
-"""Contract tests against the real SGLang 0.5.23 source (installed --no-deps, see Makefile setup-dev).
+"""Contract tests against the real source of one SGLang version (see conftest.py: run once per version).
 
-SGLang's engine needs CUDA, so nothing here serves a model. What runs for real: ``ServerArgs`` and
-its aux-capture validation, ``hook_manager.register_forward_hooks``, ``SamplingParams``. Modules
-that import torchvision (a CUDA build on PyPI, unimportable with CPU torch: forward_batch_info,
-logits_processor, models/*) are read from their installed source instead: the needed class or
-method is compiled from SGLang's own text (``_sglang_def``) and exercised, so a change upstream
-changes what these tests run.
+SGLang's engine needs CUDA, so nothing here serves a model. What runs for real: ``ServerArgs`` (a
+msgspec Struct in 0.5.23, a dataclass in 0.5.17) and, where the version has it, its aux-capture
+validation; ``hook_manager.register_forward_hooks``; ``SamplingParams``. Modules that need CUDA
+builds to import (forward_batch_info, logits_processor, models/*) are read from their installed
+source instead: the needed class or method is compiled from SGLang's own text (``_sglang_def``)
+and exercised, so a change upstream changes what these tests run. Where versions differ, a test
+checks the path the engine takes on the installed version (feature-detected, as the engine does).
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from typing import Any, List, Optional
 import pytest
 import torch
 
-server_args = pytest.importorskip(
-    "sglang.srt.server_args", reason="sglang==0.5.23 not installed (make setup-dev installs it --no-deps)"
-)
-import sglang  # noqa: E402
+import sglang.srt.server_args as server_args
 
 from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
 from eagle3_ray.engines import sglang as sg  # noqa: E402
 from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
-from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, capture_path  # noqa: E402
+from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, capture_path  # noqa: E402
 from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
 
-SRT = Path(sglang.__file__).parent / "srt"
-REPO = Path(__file__).resolve().parents[1]
+from conftest import source_root  # noqa: E402
+
+SRT = source_root() / "srt"
+REPO = Path(__file__).resolve().parents[2]
+FIELDS = sg.server_args_fields()
+HAS_AUX_FLAG = sg.AUX_FLAG in FIELDS
+IS_STRUCT = hasattr(server_args.ServerArgs, "__struct_fields__")
 
 
 # --- reading SGLang's source ----------------------------------------------------------------------
@@ -133,27 +136,60 @@ def _kwargs(target_dir, mode, tmp_path, target=None):
     return sg.engine_kwargs(target, mode, capture_dir=tmp_path, drafter_dir=tmp_path, bench=BenchConfig(), node_rank=1)
 
 
+def test_server_args_fields_are_read_the_way_the_version_defines_them():
+    """0.5.23: a msgspec Struct (``dataclasses.fields`` raises); 0.5.17: a dataclass."""
+    import dataclasses
+
+    if IS_STRUCT:
+        assert FIELDS == set(server_args.ServerArgs.__struct_fields__)
+        with pytest.raises(TypeError):
+            dataclasses.fields(server_args.ServerArgs)
+    else:
+        assert FIELDS == {f.name for f in dataclasses.fields(server_args.ServerArgs)}
+    assert {"forward_hooks", "disable_radix_cache", "chunked_prefill_size", "disable_cuda_graph",
+            "sampling_defaults", "skip_tokenizer_init", "speculative_algorithm"} <= FIELDS
+
+
 @pytest.mark.parametrize("mode", sg.MODES)
 def test_every_engine_kwarg_is_a_server_args_field(target_dir, tmp_path, mode):
     kw = _kwargs(target_dir, mode, tmp_path)
-    # 0.5.23's ServerArgs is a msgspec Struct, not a dataclass: its fields are __struct_fields__.
-    assert set(kw) <= set(server_args.ServerArgs.__struct_fields__), set(kw) - set(server_args.ServerArgs.__struct_fields__)
+    assert set(kw) <= FIELDS, set(kw) - FIELDS
     sg.check_server_args(kw)
-    args = server_args.ServerArgs(**kw)
-    assert args.tp_size == 2 and args.nnodes == 2 and args.node_rank == 1
+    if IS_STRUCT:  # a Struct is built without resolving; the 0.5.17 dataclass resolves in __post_init__ (CUDA)
+        args = server_args.ServerArgs(**kw)
+        assert args.tp_size == 2 and args.nnodes == 2 and args.node_rank == 1
 
 
-def test_capture_kwargs_pass_sglang_aux_capture_validation(target_dir, tmp_path):
-    from sglang.srt.arg_groups.model_override_base import resolving_view
-    from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
-
+def test_capture_kwargs_take_the_installed_versions_aux_path(target_dir, tmp_path):
     kw = _kwargs(target_dir, "capture", tmp_path)
     assert kw["disable_radix_cache"] and kw["chunked_prefill_size"] == -1 and kw["disable_cuda_graph"]
-    args = server_args.ServerArgs(**kw)
-    handle_aux_hidden_state_capture(args)  # raises ValueError on a settings combination it refuses
-    view = resolving_view(args)
-    assert view.aux_hidden_state_capture == "eagle3" and view.speculative_algorithm is None  # no draft loaded
-    assert kw["return_aux_hidden_state_layer_ids"] == [1, 2, 3]  # llama: HF index k -> k - 1
+    hooks = kw["forward_hooks"]
+    if HAS_AUX_FLAG:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+        from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
+
+        args = server_args.ServerArgs(**kw)
+        handle_aux_hidden_state_capture(args)  # raises ValueError on a settings combination it refuses
+        view = resolving_view(args)
+        assert view.aux_hidden_state_capture == "eagle3" and view.speculative_algorithm is None  # no draft loaded
+        assert kw["return_aux_hidden_state_layer_ids"] == [1, 2, 3]  # llama: HF index k -> k - 1
+        assert [h["target_modules"] for h in hooks] == [["logits_processor"]]
+    else:
+        # Without the flag, speculative_algorithm="EAGLE3" would want a draft model: capture uses layer hooks.
+        assert "speculative_algorithm" not in kw and "return_aux_hidden_state_layer_ids" not in kw
+        assert [h["target_modules"] for h in hooks] == [["model.layers.1"], ["model.layers.2"], ["model.layers.3"],
+                                                        ["logits_processor"]]
+        source = (SRT / "model_executor/model_runner_components/spec_aux_hidden_state.py").read_text()
+        assert "speculative_draft_model_path" in source  # aux capture is tied to loading a draft here
+
+
+def test_layer_hook_capture_is_refused_for_models_without_the_layer_convention(target_dir, tmp_path):
+    from eagle3_ray.engines.base import EngineInfo
+
+    info = EngineInfo(model_type="deepseek_v3", num_layers=32, hidden_size=64, vocab_size=512, aux_layers=[2, 16, 29],
+                      dtype="bfloat16", fingerprint="x")
+    with pytest.raises(ConfigError, match="enable_return_aux_hidden_states"):
+        sg.engine_kwargs(_target(target_dir), "capture", info=info, capture_dir=tmp_path, fields=frozenset())
 
 
 def test_generate_and_spec_kwargs(target_dir, tmp_path):
@@ -275,7 +311,9 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     seqs, per_request = hf_rows
-    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path)["forward_hooks"]
+    # The hook of the enable_return_aux_hidden_states path (0.5.23); the layer-hook path: further down.
+    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
+                             fields=frozenset({sg.AUX_FLAG}))["forward_hooks"]
     model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
     register_forward_hooks(model, hooks)
     assert len(model.logits_processor._forward_hooks) == 1
@@ -299,6 +337,102 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     model(torch.cat(seqs)[:2], last[:2], decode, aux_arg)
     model(torch.cat(seqs)[:2], last[:2], verify, aux_arg)
     assert not list(tmp_path.iterdir())
+
+
+class FakeSGLangLlamaWithLayers(torch.nn.Module):
+    """FAKE SGLang Llama (the real one needs CUDA to build): SGLang's module names and calling
+    convention (models/llama.py, pinned by the source test below), replaying HF's hidden states.
+
+    Decoder layer i returns ``(hidden_states, residual)`` whose sum is HF ``hidden_states[i + 1]``,
+    split unevenly as SGLang's fused add-norm leaves it; the model calls each layer positionally,
+    then ``logits_processor(input_ids, final_hidden, lm_head, forward_batch, aux_hidden_states)``
+    with ``aux_hidden_states=None`` (capture_aux_hidden_states off: no draft loaded).
+    """
+
+    class Layer(torch.nn.Module):
+        def __init__(self, out: torch.Tensor):
+            super().__init__()
+            self.out = out  # [N, H] HF hidden_states[i + 1] of the packed batch
+
+        def forward(self, positions, hidden_states, forward_batch, residual):
+            residual = hidden_states if residual is None else hidden_states + residual
+            return self.out - 0.25 * residual, 0.25 * residual
+
+    def __init__(self, states: list[torch.Tensor], last: torch.Tensor, vocab: int):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(self.Layer(h) for h in states[1:])
+        self.lm_head = torch.nn.Linear(last.shape[-1], vocab, bias=False)
+        self.logits_processor = TinyTargetWithLogitsProcessor.LogitsProcessor()
+        self.embeds, self.last = states[0], last
+
+    def forward(self, input_ids, positions, forward_batch):
+        hidden_states, residual = self.embeds, None
+        for layer in self.model.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        return self.logits_processor(input_ids, self.last, self.lm_head, forward_batch, None)
+
+
+def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_batch_cls, forward_mode,
+                                                 tiny_llama_config):
+    """The capture path of SGLang without enable_return_aux_hidden_states (0.5.17), through SGLang's
+    real register_forward_hooks: every request's file holds HF hidden_states[k] exactly."""
+    from transformers import LlamaForCausalLM
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(tiny_llama_config).eval()
+    seqs = [torch.randint(3, 500, (n,)) for n in (7, 4)]
+    with torch.no_grad():
+        outs = [hf.model(input_ids=q[None], output_hidden_states=True) for q in seqs]
+    layers = tiny_llama_config.num_hidden_layers
+    states = [torch.cat([o.hidden_states[i][0] for o in outs]) for i in range(layers + 1)]  # [N, H] each
+    last = torch.cat([o.last_hidden_state[0] for o in outs])
+    kw = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path, fields=frozenset())
+    model = FakeSGLangLlamaWithLayers(states, last, vocab=512)
+    register_forward_hooks(model, kw["forward_hooks"])
+    assert [len(model.model.layers[i]._forward_hooks) for i in range(layers)] == [int(i in (1, 2, 3)) for i in range(layers)]
+
+    rids = ["req-a", "req-b"]
+    batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(q) for q in seqs])
+    model(torch.cat(seqs), None, batch)
+    for rid, q, o in zip(rids, seqs, outs):
+        cap = sg.read_capture(capture_path(tmp_path, rid), len(q), hidden_size=64)
+        assert torch.allclose(cap.aux_hidden, torch.cat([o.hidden_states[k][0] for k in (2, 3, 4)], -1), atol=1e-6)
+        assert torch.equal(cap.last_hidden, o.last_hidden_state[0])
+    model(torch.cat(seqs)[:2], None, _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1]))
+    assert not list(tmp_path.iterdir())  # decode steps write nothing
+
+
+def _layer_calls(fn: ast.FunctionDef) -> list[ast.Call]:
+    return [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func) == "layer"]
+
+
+def test_installed_models_fit_the_capture_path_the_engine_takes():
+    """With enable_return_aux_hidden_states the hook reads logits_processor's aux argument (pinned
+    above). Without it (0.5.17) the layer hooks rely on models/llama.py and qwen2.py (Qwen3Model is a
+    Qwen2Model) calling ``layer(positions, hidden_states, forward_batch, residual)`` and each decoder
+    layer returning ``hidden_states, residual``, summed by SGLang's own capture the same way."""
+    if HAS_AUX_FLAG:
+        assert {"enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids"} <= FIELDS
+        return
+    for rel, model_cls, layer_cls in [("models/llama.py", "LlamaModel", "LlamaDecoderLayer"),
+                                      ("models/qwen2.py", "Qwen2Model", "Qwen2DecoderLayer"),
+                                      ("models/qwen3.py", "Qwen3Model", "Qwen3DecoderLayer")]:
+        cls = _class(rel, model_cls)
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "forward" for n in cls.body):
+            assert [ast.unparse(b) for b in cls.bases] == ["Qwen2Model"], f"{model_cls} has no forward of its own"
+        else:
+            forward = _method(rel, model_cls, "forward")
+            calls = _layer_calls(forward)
+            assert calls, f"{model_cls}.forward no longer calls its layers"
+            for c in calls:
+                assert ast.unparse(c.args[LAYER_BATCH_ARG]) == "forward_batch" and len(c.args) == 4, ast.unparse(c)
+            appended = [ast.unparse(c.args[0]) for c in ast.walk(forward) if isinstance(c, ast.Call)
+                        and ast.unparse(c.func) == "aux_hidden_states.append"]
+            assert appended and all(a.startswith("hidden_states + residual") for a in appended), appended
+        returns = [n for n in ast.walk(_method(rel, layer_cls, "forward")) if isinstance(n, ast.Return)]
+        assert [ast.unparse(r.value) for r in returns][-1] == "(hidden_states, residual)", layer_cls
 
 
 def test_reader_refuses_partial_captures(tmp_path, forward_batch_cls, forward_mode, hf_rows):
@@ -377,11 +511,12 @@ def test_translated_ids_capture_the_config_states(rel, cls, model_type, hf):
         return
     ids = sg.sglang_aux_ids(hf, model_type, num_layers)
     assert _layers_captured(rel, cls, ids, num_layers) == hf
-    check_range = _sglang_def(
-        [n for n in _tree("model_executor/model_runner_components/spec_aux_hidden_state.py").body
-         if isinstance(n, ast.FunctionDef) and n.name == "_check_capture_layer_ids_in_range"][0], {}
-    )
-    check_range(ids, SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=num_layers)))
+    if HAS_AUX_FLAG:  # capture-only ids (0.5.23) pass SGLang's range check; 0.5.17 has no such ids
+        check_range = _sglang_def(
+            [n for n in _tree("model_executor/model_runner_components/spec_aux_hidden_state.py").body
+             if isinstance(n, ast.FunctionDef) and n.name == "_check_capture_layer_ids_in_range"][0], {}
+        )
+        check_range(ids, SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=num_layers)))
 
 
 @pytest.mark.parametrize("rel, cls, model_type", _SHIFT_MODELS, ids=[m[2] for m in _SHIFT_MODELS])
@@ -518,7 +653,7 @@ def test_presets_load_and_translate(name, model_type, layers, tp):
     sg.sglang_aux_ids(cfg.target.aux_layers, model_type, layers)
     extra = cfg.target.sglang.extra_engine_kwargs
     sg.check_extra_kwargs(extra, "capture")
-    assert set(extra) <= set(server_args.ServerArgs.__struct_fields__)
+    assert set(extra) <= FIELDS, set(extra) - FIELDS
     if tp == 8:
         assert cfg.ray.env_vars == NCCL
 

@@ -1,0 +1,63 @@
+"""The SGLang contract suite runs once per supported SGLang version, each in its own pytest process.
+
+``tests/test_sglang_versions.py`` (main session) starts ``python -m pytest tests/sglang_contract`` with
+``PYTHONPATH=.deps/sglang-<version>`` (``make sglang-src`` installs each version there, --no-deps)
+and ``EAGLE3_SGLANG_VERSION=<version>``. Without that variable this directory collects nothing, so
+the main session never runs these tests against whatever SGLang happens to be importable.
+By hand:  EAGLE3_SGLANG_VERSION=0.5.17 PYTHONPATH=.deps/sglang-0.5.17 python -m pytest -q tests/sglang_contract
+
+Inside the suite nothing is skipped: a missing package fails the session, naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+VERSION_ENV = "EAGLE3_SGLANG_VERSION"
+FAKES = Path(__file__).parent / "fakes"
+
+if not os.environ.get(VERSION_ENV):
+    collect_ignore_glob = ["test_*.py"]
+else:
+    # PyPI's torchvision is a CUDA build that cannot import next to CPU torch; SGLang 0.5.17 imports
+    # it at module level. The FAKE (tests/sglang_contract/fakes, named as such) stands in only then.
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        sys.modules.pop("torchvision", None)
+        sys.path.insert(0, str(FAKES))
+
+
+def pytest_sessionstart(session):
+    want = os.environ.get(VERSION_ENV)
+    if not want:
+        return
+    try:
+        import sglang
+        import sglang.srt.model_executor.hook_manager  # noqa: F401
+        import sglang.srt.sampling.sampling_params  # noqa: F401
+        import sglang.srt.server_args  # noqa: F401
+    except ImportError as e:
+        pytest.exit(
+            f"SGLang {want} contract suite: cannot import {e.name!r} ({e}); install the package into the venv "
+            f"(requirements-sglang-cpu*.txt, `make sglang-src`)", returncode=3)
+    got = getattr(sglang, "__version__", None)
+    if got != want:
+        pytest.exit(f"SGLang contract suite: {VERSION_ENV}={want} but sglang {got} is imported from "
+                    f"{Path(sglang.__file__).parent} (PYTHONPATH=.deps/sglang-{want})", returncode=3)
+
+
+@pytest.fixture(scope="session")
+def sglang_version() -> str:
+    return os.environ[VERSION_ENV]
+
+
+def source_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "sglang is not importable"
+    return Path(spec.submodule_search_locations[0])
