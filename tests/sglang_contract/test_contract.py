@@ -682,3 +682,39 @@ def test_benchmark_arithmetic_on_sglang_meta_info():
     turns = replay(answer, lambda msgs: [len(m["content"]) for m in msgs], lambda ids: "x" * ids[0],
                    {"chat": [["hi", "more"]]})
     assert len(turns["chat"]) == 2 and seen == [[2], [2, 1, 4]]  # turn 2 sees the model's own reply
+
+
+class FakeSGLangEngineOneCallAtATime:
+    """FAKE ``sglang.Engine`` (the real one needs CUDA): its ``generate`` runs an event loop and, like
+    the real one on the H200, fails when a second thread enters it ("this event loop is already running")."""
+
+    def __init__(self):
+        import threading
+
+        self.running = threading.Lock()
+        self.calls = 0
+
+    def generate(self, input_ids, sampling_params, rid=None):
+        import time
+
+        if not self.running.acquire(blocking=False):
+            raise RuntimeError("this event loop is already running")
+        try:
+            time.sleep(0.05)
+            self.calls += 1
+            return [{"output_ids": [7], "meta_info": {"id": r}} for r in (rid or [None] * len(input_ids))]
+        finally:
+            self.running.release()
+
+
+def test_engine_serialises_generate_calls_from_threads():
+    """CaptureWriteUDF runs batches in threads: SGLangEngine must enter sglang.Engine.generate one at a time."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = sg.SGLangEngine.__new__(sg.SGLangEngine)  # skips building sglang.Engine (CUDA)
+    engine.mode, engine._dir = "generate", None
+    engine._engine, engine._lock = FakeSGLangEngineOneCallAtATime(), threading.Lock()
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: engine.generate([[1, 2, 3]], max_new_tokens=1), range(8)))
+    assert outs == [[[7]]] * 8 and engine._engine.calls == 8
