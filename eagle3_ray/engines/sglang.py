@@ -36,7 +36,7 @@ MODES: tuple[str, ...] = ("capture", "generate", "spec")
 TESTED_VERSIONS = ("0.5.17", "0.5.23")  # the range the `sglang` extra allows; contract-tested
 INSTALL_HINT = "pip install 'eagle3-ray[sglang]' (sglang 0.5.17 to 0.5.23, needs CUDA GPUs)"
 HOOK_NAME = "eagle3_ray_capture"
-# Set by SGLang >= 0.5.23 to hand aux states to logits_processor without loading a draft.
+# In SGLang 0.5.23 (not 0.5.17): hands aux states to logits_processor without loading a draft.
 AUX_FLAG = "enable_return_aux_hidden_states"
 # Models whose decoder layers return (hidden_states, residual) with forward_batch as the third
 # positional argument: the layer-hook capture (SGLang without AUX_FLAG) works on these.
