@@ -15,6 +15,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tiny test runs spent ~2 s per step and ~2 s more noticing the end. Set before any Ray starts, so
 # the session's Ray, the test heads and the CLI subprocesses all inherit it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# The suite is CPU-bound on 2 cores: no idle workers started ahead of need (each imports Ray, ~1 s
+# of CPU, and most are never used by these small runs), no Ray Data progress bars redrawn.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 
 # ---------------------------------------------------------------- no silent skips

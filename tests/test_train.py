@@ -13,6 +13,10 @@ from eagle3_ray.config import load_config
 from eagle3_ray.errors import CheckpointError
 
 CI_CONFIG = "configs/ci-tiny.yaml"
+# One 4-step ci-tiny training with a held-out share serves the checkpoint, resume, export and held-out
+# tests (each inspects another aspect of the same run; a Ray Train run costs ~30 s here).
+TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
+           "train.eval_every=2"]
 
 
 def _metrics(out):
@@ -44,24 +48,23 @@ def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
     assert all(p.tokens == sum(int(lengths[i]) for i in p.samples) for p in packs)
 
 
-def test_held_out_samples_are_evaluated_and_never_trained_on(ci_tiny_inputs, tmp_path):
+def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.checkpoint import read_train_state
-    from eagle3_ray.train.trainer import plan_training, run_training
+    from eagle3_ray.train.trainer import plan_training
 
-    over = ["train.val_share=0.25", "train.eval_every=2", "train.max_steps=3", "train.log_every=1"]
-    cfg = load_config(CI_CONFIG, over)
+    out, ckpt = trained_4_steps
+    cfg = load_config(CI_CONFIG, TRAIN_4)
     job, packs, store, val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab",
                                                  tmp_path / "plan")
     held = {i for p in val_packs for i in p.samples}
     assert len(held) == round(0.25 * len(store)) and job.val_packs == len(val_packs)
     assert not held & {i for p in packs for i in p.samples}
-    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
-    lines = _metrics(tmp_path / "train")
-    assert [m["step"] for m in lines if "val_tau" in m] == [2, 3]  # every 2 steps, and the last one
+    lines = _metrics(out)
+    assert [m["step"] for m in lines if "val_tau" in m] == [2, 4]  # every 2 steps, and the last one
     m = lines[-1]
     assert 1.0 <= m["val_tau"] <= 1 + cfg.train.ttt_steps and m["val_loss"] > 0
     assert m["val_tokens"] == sum(p.tokens for p in val_packs)  # every held-out pack, once
-    assert read_train_state(ckpt)["identity"]["val_share"] == 0.25
+    assert read_train_state(out / ckpt)["identity"]["val_share"] == 0.25
 
 
 def test_online_training_refuses_a_held_out_share(tmp_path):
@@ -79,7 +82,7 @@ def trained_4_steps(ci_tiny_inputs, tmp_path_factory):
     from eagle3_ray.train.trainer import run_training
 
     out = tmp_path_factory.mktemp("trained_4_steps") / "train"
-    cfg = load_config(CI_CONFIG, ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1"])
+    cfg = load_config(CI_CONFIG, TRAIN_4)
     ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
     return out, ckpt.relative_to(out)
 
@@ -108,7 +111,7 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
         assert key in m and m[key] == m[key]
 
     # Rerun the same command with a larger budget: it resumes at step 4 and continues.
-    more = load_config(CI_CONFIG, ["train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1"])
+    more = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=6"])
     ckpt2 = run_training(more, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
     assert read_train_state(ckpt2)["step"] == 6
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
