@@ -24,7 +24,7 @@ import hashlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import ConfigError, DataError
 from eagle3_ray.extract.udfs import CaptureUDF
+
+if TYPE_CHECKING:
+    from eagle3_ray.features.store import StoreMeta
 
 PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
 
@@ -130,9 +133,9 @@ class PackCaptureUDF(CaptureUDF):
     finds its shard and does not write it twice).
     """
 
-    def __init__(self, prepared: str, target_cfg: dict[str, Any], batch_tokens: int, meta: dict[str, Any],
+    def __init__(self, prepared: str, target_cfg: dict[str, Any], batch_tokens: int, meta: StoreMeta,
                  run: str = "", store_root: str | None = None):
-        super().__init__(target_cfg, batch_tokens, meta["hidden_size"], run=run, stage="online")
+        super().__init__(target_cfg, batch_tokens, meta.hidden_size, run=run, stage="online")
         self.sample_ids, _, self.ids, self.masks = read_prepared(prepared)
         self.meta, self.store_root = meta, store_root
 
@@ -167,19 +170,19 @@ class PackCaptureUDF(CaptureUDF):
         from eagle3_ray import metrics
         from eagle3_ray.errors import SampleRejected
         from eagle3_ray.features.record import validate_record
-        from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
+        from eagle3_ray.features.store import FeatureStoreWriter
 
         keep = []
         if self.store_root is None:
             for rec in records:
                 try:
-                    validate_record(rec, self.meta["hidden_size"], self.meta["vocab_size"])
+                    validate_record(rec, self.meta.hidden_size, self.meta.vocab_size)
                     keep.append(True)
                 except SampleRejected:
                     keep.append(False)
         else:
             wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
-            with FeatureStoreWriter(self.store_root, StoreMeta(**self.meta), writer_id=wid,
+            with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
                                     shard_max_bytes=2**62) as w:
                 for rec in records:
                     try:
@@ -204,16 +207,7 @@ def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
-def _store_meta(cfg: PipelineConfig) -> dict[str, Any]:
-    from eagle3_ray.engines.describe import describe_target
-
-    info = describe_target(cfg.target)
-    return dict(hidden_size=info.hidden_size, aux_layers=list(info.aux_layers),
-                target_fingerprint=info.fingerprint, model_type=info.model_type, vocab_size=info.vocab_size,
-                compact=cfg.extract.compact)
-
-
-def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: dict[str, Any], store_root: str | None):
+def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMeta, store_root: str | None):
     """Ray Data pipeline: pack rows -> engine actor pool -> packed micro-batch rows."""
     import ray
 
@@ -257,7 +251,7 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
 
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.features import open_store
-    from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
+    from eagle3_ray.features.store import StoreMeta, create_store
     from eagle3_ray.train.data import build_train_dataset
     from eagle3_ray.train.trainer import _use_gpu, build_job, fit
 
@@ -274,14 +268,14 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     check_resource_split(cfg, ray.cluster_resources(), _use_gpu(cfg))
     prepared = Path(prepared).resolve()
     sample_ids, lengths, _, _ = read_prepared(prepared)
-    job, packs = build_job(cfg, lengths, _data_fingerprint(sample_ids, lengths), vocab, out,
-                           describe_target(cfg.target))
-    meta = _store_meta(cfg)
+    info = describe_target(cfg.target)
+    job, packs = build_job(cfg, lengths, _data_fingerprint(sample_ids, lengths), vocab, out, info)
+    meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
     data_config = streaming_data_config(cfg)
     if not hybrid:
         return fit(cfg, job, streaming_dataset(cfg, prepared, packs, meta, None), out, t0, data_config)
     store_root = str(Path(features).resolve())
-    FeatureStoreWriter(store_root, StoreMeta(**meta), writer_id="driver", shard_max_bytes=1).close()
+    create_store(store_root, meta)
     first = [p for p in packs if p.epoch == 0]
     print(f"[train] hybrid: epoch 0 streams {len(first)} packs and writes {store_root}", flush=True)
     ckpt = fit(cfg, job, streaming_dataset(cfg, prepared, first, meta, store_root), out, t0, data_config)

@@ -184,9 +184,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.udfs import CaptureWriteUDF
     from eagle3_ray.features.preflight import check_disk
-    from eagle3_ray.features.store import (
-        FeatureStoreWriter, StoreMeta, cleanup_orphans, completed_ids, rejected_ids,
-    )
+    from eagle3_ray.features.store import StoreMeta, cleanup_orphans, completed_ids, create_store, rejected_ids
     from eagle3_ray.features.record import bytes_per_token
     from eagle3_ray.progress import RateMeter
 
@@ -196,16 +194,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
     out = Path(out)
     info = describe_target(cfg.target)
-    meta = dict(
-        hidden_size=info.hidden_size,
-        aux_layers=list(info.aux_layers),
-        target_fingerprint=info.fingerprint,
-        model_type=info.model_type,
-        vocab_size=info.vocab_size,
-        compact=cfg.extract.compact,
-    )
     # Creating (or re-opening) the store checks its metadata against this target before any work.
-    FeatureStoreWriter(out, StoreMeta(**meta), writer_id="driver", shard_max_bytes=1).close()
+    meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
+    create_store(out, meta)
     save_resolved(cfg, out)
     removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
     if removed:

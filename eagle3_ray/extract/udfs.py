@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eagle3_ray.config import TargetConfig
+
+if TYPE_CHECKING:
+    from eagle3_ray.features.store import StoreMeta
 
 
 def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
@@ -117,30 +120,29 @@ class CaptureWriteUDF:
     (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
     """
 
-    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: dict[str, Any],
+    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: StoreMeta,
                  run: str = ""):
         from eagle3_ray.engines.factory import build_engine
 
         self.run = run
         self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
-        if self.engine.info.hidden_size != meta["hidden_size"]:
-            raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta['hidden_size']}")
+        if self.engine.info.hidden_size != meta.hidden_size:
+            raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
         self.root, self.meta = root, meta
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import hashlib
-        from pathlib import Path
 
         import torch
 
         from eagle3_ray.errors import SampleRejected
-        from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
+        from eagle3_ray.features.store import FeatureStoreWriter, batch_committed
 
         sids = [str(s) for s in batch["sample_id"]]
         ids = [np.array(a, dtype=np.int32) for a in batch["input_ids"]]  # writable: torch.from_numpy below
         wid = "b" + hashlib.sha1("\n".join(sids).encode()).hexdigest()[:16]
         lengths = np.asarray([len(a) for a in ids], dtype=np.int64)
-        if (Path(self.root) / "shards" / f"{wid}-000000.done.json").exists():
+        if batch_committed(self.root, wid):
             return {"sample_id": batch["sample_id"], "num_tokens": lengths,
                     "status": np.asarray(["skipped"] * len(sids), dtype=object),
                     "reason": np.asarray([""] * len(sids), dtype=object)}
@@ -148,7 +150,7 @@ class CaptureWriteUDF:
         captures = self.engine.capture([a.tolist() for a in ids])
         self._record_capture(len(ids), int(lengths.sum()), time.monotonic() - t0)
         status, reasons = [], []
-        with FeatureStoreWriter(self.root, StoreMeta(**self.meta), writer_id=wid, shard_max_bytes=2**62) as w:
+        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=2**62) as w:
             for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
                 rec = {
                     "sample_id": sid,

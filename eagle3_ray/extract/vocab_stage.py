@@ -1,5 +1,5 @@
 """`eagle3-ray vocab`: loss-masked token counts over the feature store (a Ray Data aggregation),
-then the d2t/t2d map of DESIGN.md, cached by data + target fingerprint."""
+then the d2t/t2d map of docs/contracts.md ("Vocab map"), cached by data + target fingerprint."""
 
 from __future__ import annotations
 
@@ -21,14 +21,12 @@ class ShardTokenCounter:
         self.vocab_size = vocab_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from safetensors import safe_open
-
         from eagle3_ray.data.vocab import count_tokens
+        from eagle3_ray.features.shards import read_token_columns
 
         counts = np.zeros(self.vocab_size, dtype=np.int64)
         for path in batch["path"]:
-            with safe_open(str(path), framework="np") as f:
-                counts += count_tokens(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), self.vocab_size)
+            counts += count_tokens(*read_token_columns(path), self.vocab_size)
         return {"counts": counts[None, :]}
 
 
