@@ -136,7 +136,10 @@ def ci_tiny_inputs(ci_tiny_prepared):
 
     cfg = load_config("configs/ci-tiny.yaml")
     root = ci_tiny_prepared[0].parent
-    run_extract(cfg, root / "prepare", root / "features")
+    # Two engine actors from the start (the elastic pool's upper bound in use): test_elastic.py checks
+    # that they shared the work with no sample twice. The store is the same as one actor's.
+    two = load_config("configs/ci-tiny.yaml", ["extract.num_actors=2", "extract.max_actors=2"])
+    run_extract(two, root / "prepare", root / "features")
     run_vocab(cfg, root / "features", root / "vocab")
     return root
 

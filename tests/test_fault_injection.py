@@ -157,7 +157,7 @@ def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_inputs,
     from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
     from eagle3_ray.train.trainer import run_training
 
-    steps, every = 24, 4
+    steps, every = 12, 4
     cfg = load_config(CI_CONFIG, [f"train.max_steps={steps}", f"train.checkpoint_every={every}", "train.log_every=1",
                                   "train.epochs=8", "train.max_failures=2"])
     out = tmp_path / "train"
