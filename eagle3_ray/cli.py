@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from eagle3_ray.errors import Eagle3Error
+from eagle3_ray.progress import configure_logging
 
 DEFAULT_CONFIG = "configs/demo-smollm2.yaml"
 
@@ -73,6 +74,7 @@ def _ray(cfg):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging()  # the package's diagnostics at INFO and above, as plain lines on stderr
     try:
         return _dispatch(args)
     except Exception as e:

@@ -32,6 +32,7 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import ConfigError, DataError
 from eagle3_ray.extract.udfs import CaptureUDF
+from eagle3_ray.progress import say
 
 if TYPE_CHECKING:
     from eagle3_ray.features.store import StoreMeta
@@ -94,8 +95,8 @@ def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path)
     }
     path = save_vocab_map(out / VOCAB_FILE, d2t, t2d, meta)
     write_json(out / "summary.json", meta, newline=False)
-    print(f"[vocab] from prepared data: {meta['distinct_tokens']} distinct loss tokens, coverage "
-          f"{meta['coverage']:.2%} -> {path}", flush=True)
+    say(f"[vocab] from prepared data: {meta['distinct_tokens']} distinct loss tokens, coverage "
+        f"{meta['coverage']:.2%} -> {path}")
     return path
 
 
@@ -277,13 +278,12 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     store_root = str(Path(features).resolve())
     create_store(store_root, meta)
     first = [p for p in packs if p.epoch == 0]
-    print(f"[train] hybrid: epoch 0 streams {len(first)} packs and writes {store_root}", flush=True)
+    say(f"[train] hybrid: epoch 0 streams {len(first)} packs and writes {store_root}")
     ckpt = fit(cfg, job, streaming_dataset(cfg, prepared, first, meta, store_root), out, t0, data_config)
     later = _store_packs([p for p in packs if p.epoch > 0], sample_ids, open_store(store_root))
     if not later:
         return ckpt
-    print(f"[train] hybrid: epochs 1..{cfg.train.epochs - 1} read {len(later)} packs from {store_root}",
-          flush=True)
+    say(f"[train] hybrid: epochs 1..{cfg.train.epochs - 1} read {len(later)} packs from {store_root}")
     dataset = build_train_dataset(later, store_root, cfg.extract.on_corrupt_shard)
     return fit(cfg, job, dataset, out, t0)
 

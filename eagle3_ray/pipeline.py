@@ -20,6 +20,7 @@ from typing import Any, Callable
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
 from eagle3_ray.out_lock import out_lock
+from eagle3_ray.progress import say
 
 DONE = "_DONE.json"
 
@@ -61,12 +62,12 @@ class StageRunner:
         if marker.is_file():
             saved = json.loads(marker.read_text(encoding="utf-8"))
             if saved.get("hash") == want:
-                print(f"[run] {stage}: done earlier, skipping ({d})", flush=True)
+                say(f"[run] {stage}: done earlier, skipping ({d})")
                 self._maybe_stop(stage)
                 return saved.get("result")
-            print(f"[run] {stage}: config changed since the last run, redoing", flush=True)
+            say(f"[run] {stage}: config changed since the last run, redoing")
             marker.unlink()
-        print(f"[run] {stage} ...", flush=True)
+        say(f"[run] {stage} ...")
         t0 = time.monotonic()
         result = fn(d)
         self.timings[stage] = round(time.monotonic() - t0, 1)
@@ -109,7 +110,7 @@ def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: st
         summary = {"stopped_after": stop_after, "seconds": round(time.monotonic() - t0, 1),
                    "stage_seconds": stages.timings}
         write_json(out / "summary.json", summary, newline=False)
-        print(f"[run] stopped after {stop_after} as asked ({out})", flush=True)
+        say(f"[run] stopped after {stop_after} as asked ({out})")
         return summary
 
 
@@ -185,8 +186,8 @@ def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
 def _print_summary(s: dict[str, Any]) -> None:
     tau = ", ".join(f"{m} {v:.2f}" for m, v in (s.get("tau") or {}).items())
     speed = ", ".join(f"{m} {v:.2f}x" for m, v in (s.get("speedup") or {}).items())
-    print("\n=== eagle3-ray run: done in %.0fs ===" % s["seconds"], flush=True)
-    print(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
-    print(f"  speedup over plain generation: {speed}")
-    print(f"  drafter (SGLang layout): {s['drafter']}")
-    print(f"  report: {s['report']}")
+    say("\n=== eagle3-ray run: done in %.0fs ===" % s["seconds"])
+    say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
+    say(f"  speedup over plain generation: {speed}")
+    say(f"  drafter (SGLang layout): {s['drafter']}")
+    say(f"  report: {s['report']}")

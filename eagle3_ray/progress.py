@@ -1,11 +1,37 @@
-"""Progress lines for long stages: rate, ETA and bytes, printed at most every few seconds."""
+"""What the user sees: progress lines (``[stage] ...``), rate/ETA meters for long stages, and the
+logging setup of the CLI and the jobs.
+
+Progress is output, not diagnostics: ``say`` writes it whatever the log level, so every command
+shows the same lines however it is run (CLI, job, a test calling the stage). Diagnostics go through
+``logging.getLogger(__name__)`` in each module; ``configure_logging`` decides what of them is shown.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, TextIO
+
+logger = logging.getLogger(__name__)
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One progress line for the user, on stdout unless ``stream`` is given. Written, not
+    ``print``ed: Ray Train V2 patches ``print`` on its workers to log the line *and* echo it to a
+    redirected stdout, so a printed line reached the driver twice."""
+    out = sys.stdout if stream is None else stream
+    out.write(line + "\n")
+    out.flush()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Show the package's diagnostics at ``level`` and above, and every library's warnings, as plain
+    lines on stderr. Called by the CLI (and so by every job). Leaves a process whose logging is
+    already set up (a handler on the root logger) as it is."""
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("eagle3_ray").setLevel(level)
 
 
 def fmt_eta(seconds: float) -> str:
@@ -74,9 +100,9 @@ class Poller:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                print(self._poll(), file=self._stream, flush=True)
+                say(self._poll(), self._stream)
             except Exception as e:  # progress must never kill the stage it reports on
-                print(f"(progress unavailable: {e})", file=self._stream, flush=True)
+                logger.warning("progress unavailable: %s", e)
 
     def __enter__(self) -> "Poller":
         self._thread.start()

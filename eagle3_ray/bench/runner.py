@@ -25,6 +25,7 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.prompts import Prompt, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
+from eagle3_ray.progress import say
 
 DEFAULT_PROMPTS = "builtin:demo_eval"
 RESULTS_NAME = "results.json"
@@ -272,7 +273,7 @@ def _hf_results(
     done = {cat: p for cat in sets if (p := _read_partial(partial_dir, cat, keys[cat])) is not None}
     missing = [cat for cat in sets if cat not in done]
     if missing:
-        print(f"[bench] {len(done)} categories already measured, {len(missing)} to run: {missing}", flush=True)
+        say(f"[bench] {len(done)} categories already measured, {len(missing)} to run: {missing}")
         done.update(_measure(cfg, drafter_dir, sets, missing, compare_untrained, partial_dir, keys))
     info = next(iter(done.values()))["info"]
     return {**summarize({cat: done[cat]["records"] for cat in sets}, bench["modes"]), **info}
@@ -302,7 +303,7 @@ def _measure(
             records = ray.get(actor.run_category.remote(sets[cat], bench))
             done[cat] = {"format": PARTIAL_FORMAT, "key": keys[cat], "category": cat, "info": info, "records": records}
             _write_json(_partial_path(partial_dir, cat), done[cat])
-            print(f"[bench] {cat}: {len(sets[cat])} prompts measured", flush=True)
+            say(f"[bench] {cat}: {len(sets[cat])} prompts measured")
         return done
     finally:
         ray.kill(actor)

@@ -21,6 +21,7 @@ from eagle3_ray.data.chat import render_generation_prompt
 from eagle3_ray.data.sources import Sample
 from eagle3_ray.engines.base import TargetEngine
 from eagle3_ray.errors import ConfigError, DataError, EngineError
+from eagle3_ray.progress import say
 
 Progress = Callable[[int, int], None]  # (samples done, samples total)
 
@@ -162,8 +163,4 @@ class _LinePrinter:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         rate = (done - self.start) / elapsed
         eta = (total - done) / rate if rate > 0 else float("nan")
-        print(
-            f"[self-distill] {done}/{total} samples, {rate:.2f} samples/s, ETA {eta:.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+        say(f"[self-distill] {done}/{total} samples, {rate:.2f} samples/s, ETA {eta:.0f}s", sys.stderr)

@@ -7,6 +7,7 @@ logits are built, and asks transformers for only the three aux ``hidden_states``
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -17,6 +18,8 @@ from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, resolve_aux_layers
 from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerprint
 from eagle3_ray.errors import EngineError
+
+logger = logging.getLogger(__name__)
 
 
 def right_padded(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +238,7 @@ class HFEngine:
 
             reason = unsupported_reason(self.target.model)
             if reason:
-                print(f"[generate] transformers generate (no static decoder: {reason})", flush=True)
+                logger.warning("generating with transformers generate (no static decoder: %s)", reason)
                 self.static_generate = False
                 return None
             self._static_gen = StaticBatchGenerator(self.target.model, sorted(self.eos_ids), self.pad_id)

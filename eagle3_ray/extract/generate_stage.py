@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.progress import say
 
 CONVERSATIONS_FILE = "conversations.jsonl"
 
@@ -77,7 +78,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     actors = [actor_cls.remote(cfg.target.model_dump(), cfg.extract.batch_tokens) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
     gen = cfg.generate.model_dump()
-    print(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected", flush=True)
+    say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected")
     results = ray.get(
         [a.run.remote(samples[i::n], str(parts[i]), gen) for i, a in enumerate(actors)]
     )
@@ -101,5 +102,5 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         {"conversations": count, "rejected": len(rejects), "parts": results,
          "seconds": round(time.monotonic() - t0, 2), "output": str(joined)},
     )
-    print(f"[generate] wrote {count} conversations -> {joined}", flush=True)
+    say(f"[generate] wrote {count} conversations -> {joined}")
     return joined

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import DataError, StoreError
+from eagle3_ray.progress import say
 
 PREPARED_FILE = "prepared.parquet"
 REJECTS_FILE = "rejects.jsonl"
@@ -157,10 +158,9 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
         prepared=str(target),
     )
     write_json_atomic(out / SUMMARY_FILE, asdict(summary))
-    print(
+    say(
         f"[prepare] {summary.samples} samples, {summary.tokens:,} tokens "
-        f"({summary.loss_tokens:,} loss tokens), {summary.rejected} rejected -> {target}",
-        flush=True,
+        f"({summary.loss_tokens:,} loss tokens), {summary.rejected} rejected -> {target}"
     )
     return summary
 
@@ -200,7 +200,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     save_resolved(cfg, out)
     removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
     if removed:
-        print(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run", flush=True)
+        say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
 
     table = pq.read_table(src, columns=["sample_id", "num_tokens"])
     all_ids = table.column("sample_id").to_pylist()
@@ -210,7 +210,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     todo_tokens = int(lengths[todo].sum())
     skipped = int((~todo).sum())
     if skipped:
-        print(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go", flush=True)
+        say(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go")
     if not todo.any():
         return _finish_extract(out, t0, skipped, 0)
     check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
@@ -254,9 +254,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
                      nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
                      rejected=int((batch["status"] == "rejected").sum()))
         if time.monotonic() - last > 10:
-            print(meter.line(), flush=True)
+            say(meter.line())
             last = time.monotonic()
-    print(meter.line(), flush=True)
+    say(meter.line())
     return _finish_extract(out, t0, skipped, meter.rejected)
 
 
@@ -279,9 +279,8 @@ def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> Extrac
     if not store.shards:
         raise StoreError(f"extraction wrote no samples to {out}; see {out / REJECTS_FILE}")
     write_json_atomic(out / SUMMARY_FILE, asdict(summary))
-    print(
+    say(
         f"[extract] store has {summary.samples} samples, {summary.tokens:,} tokens, "
-        f"{summary.bytes_written / 1e9:.3f} GB; this run {summary.seconds}s, {rejected} rejected",
-        flush=True,
+        f"{summary.bytes_written / 1e9:.3f} GB; this run {summary.seconds}s, {rejected} rejected"
     )
     return summary

@@ -10,6 +10,7 @@ import numpy as np
 
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.progress import say
 
 VOCAB_FILE = "vocab_map.safetensors"
 
@@ -54,7 +55,7 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
     if path.is_file():
         _, _, meta = load_vocab_map(path)
         if meta.get("fingerprint") == fp:
-            print(f"[vocab] reusing cached map {path} (fingerprint {fp})", flush=True)
+            say(f"[vocab] reusing cached map {path} (fingerprint {fp})")
             return path
 
     shards = [str(s.path) for s in store.shards]
@@ -79,9 +80,8 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
     }
     save_vocab_map(path, d2t, t2d, meta)
     write_json(out / "summary.json", meta, newline=False)
-    print(
+    say(
         f"[vocab] {meta['distinct_tokens']} distinct loss tokens; draft vocab {cfg.vocab.draft_vocab_size} "
-        f"covers {meta['coverage']:.2%} of {total:,} loss tokens -> {path}",
-        flush=True,
+        f"covers {meta['coverage']:.2%} of {total:,} loss tokens -> {path}"
     )
     return path

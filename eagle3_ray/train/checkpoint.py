@@ -26,6 +26,7 @@ from typing import Any
 
 from eagle3_ray import atomic
 from eagle3_ray.errors import CheckpointError
+from eagle3_ray.progress import say
 
 TRAIN_STATE = "train_state.json"
 DATA_STATE_DIR = "data_state"
@@ -125,7 +126,7 @@ def latest_checkpoint(train_out: Path, complete_only: bool = False) -> Path | No
         for c in cands:
             reason = incomplete_reason(c)
             if reason:
-                print(f"[train] skipping incomplete checkpoint {c}: {reason}", flush=True)
+                say(f"[train] skipping incomplete checkpoint {c}: {reason}")
             else:
                 whole.append(c)
         cands = whole

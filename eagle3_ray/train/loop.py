@@ -8,7 +8,6 @@ config; bf16 on GPU, fp32 + gloo on CPU). Features arrive as packed micro-batche
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
+from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
 
 
@@ -165,7 +165,7 @@ def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
         ck.check_identity(state.get("identity", {}), job.identity, d)
         engine.load_checkpoint(str(d), tag=ck.DS_TAG)
         consumed = ck.consumed_packs(d)
-    _say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
+    say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
     return int(state["step"]), consumed
 
 
@@ -308,7 +308,7 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(m) + "\n")
                 accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
-                _say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
+                say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
                      f"(served {m['tau_served']:.2f}) acc [{accs}] "
                      f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
                      + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} acc0 {m['val_acc_0']:.2f}"
@@ -322,11 +322,3 @@ def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: in
             saved_step = step
     if step != saved_step:  # the data ran out between checkpoints: keep the final state
         _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
-
-
-def _say(line: str) -> None:
-    """One progress line on the worker's stdout. Not ``print``: Ray Train V2 patches ``print`` on
-    its workers to log the line *and* echo it to a redirected stdout, so each line reached the
-    driver twice."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()

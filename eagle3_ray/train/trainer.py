@@ -17,6 +17,7 @@ import numpy as np
 
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
+from eagle3_ray.progress import say
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 from eagle3_ray.train.packing import holdout, plan, remap
 
@@ -68,8 +69,8 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     val_packs = remap(plan(store.lengths[held], t.batch_tokens, 1, t.seed), held) if len(held) else []
     job.val_packs = len(val_packs)
     if val_packs:
-        print(f"[train] {len(held)} samples ({int(store.lengths[held].sum()):,} tokens) held out of training: "
-              f"{len(val_packs)} packs evaluated every {t.eval_every} steps", flush=True)
+        say(f"[train] {len(held)} samples ({int(store.lengths[held].sum()):,} tokens) held out of training: "
+            f"{len(val_packs)} packs evaluated every {t.eval_every} steps")
     return job, packs, store, val_packs
 
 
@@ -121,12 +122,11 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
         identity=identity,
     )
     n_train = len(lengths) if keep is None else len(keep)
-    print(
+    say(
         f"[train] {n_train} samples, {sum(p.tokens for p in packs if p.epoch == 0):,} tokens -> {len(packs)} packs over {t.epochs} "
         f"epoch(s) (padding efficiency {padding_efficiency(packs, t.batch_tokens):.1%}); {total} optimizer "
         f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
-        f"draft vocab {drafter_cfg.draft_vocab_size}",
-        flush=True,
+        f"draft vocab {drafter_cfg.draft_vocab_size}"
     )
     return job, packs
 
@@ -171,7 +171,7 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
         check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
-        print(f"[train] resuming from {previous}", flush=True)
+        say(f"[train] resuming from {previous}")
         job.resume_from = str(previous)
     trainer = TorchTrainer(
         train_func,
@@ -198,5 +198,5 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
         raise CheckpointError(f"training finished without a checkpoint under {storage}")
     summary = {"checkpoint": str(ckpt), "metrics": result.metrics, "seconds": round(time.monotonic() - t0, 1)}
     write_json(out / "summary.json", summary)
-    print(f"[train] done: checkpoint {ckpt}", flush=True)
+    say(f"[train] done: checkpoint {ckpt}")
     return ckpt
