@@ -23,6 +23,14 @@ def check_generate_args(max_new_tokens: int, temperature: float, top_p: float) -
         )
 
 
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Tokens up to and including the first EOS; generate pads finished rows after it."""
+    for pos, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: pos + 1]
+    return tokens
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from eagle3_ray.config import TargetConfig
-from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, resolve_aux_layers
+from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, cut_at_eos, resolve_aux_layers
 from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerprint
 from eagle3_ray.errors import EngineError
 
@@ -61,14 +61,6 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for h, t in zip(host, tensors):
         h.copy_(t, non_blocking=True)
     return host
-
-
-def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    """Tokens up to and including the first EOS; generate pads finished rows after it."""
-    for pos, tok in enumerate(tokens):
-        if tok in eos_ids:
-            return tokens[: pos + 1]
-    return tokens
 
 
 class HFEngine:

@@ -29,11 +29,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from eagle3_ray.engines.hf import cut_at_eos
-from eagle3_ray.engines.base import check_generate_args
+from eagle3_ray.engines.base import check_generate_args, cut_at_eos
+from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import EngineError
-from eagle3_ray.spec.static import SlotLayer, Slots
-from eagle3_ray.spec.target import MASKABLE_ATTENTION, cache_api
 
 GRAIN = 256  # storage lengths are rounded up to a multiple of this
 PREFILL_TOKENS = 32768  # padded prompt tokens per prompt forward (bounds its activations)

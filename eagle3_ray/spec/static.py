@@ -26,53 +26,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.target import MASKABLE_ATTENTION, TargetOut, cache_api
+from eagle3_ray.spec.target import TargetOut
 
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
 MAX_GRAPHS = 8  # distinct widths captured at most
-
-
-class Slots:
-    """Where the current forward writes its keys: one [W] long tensor shared by every layer."""
-
-    pos: torch.Tensor | None = None
-
-
-class SlotLayer(CacheLayerMixin):
-    """One decoder layer's view of the shared storage; writes the new keys at ``slots.pos``."""
-
-    _layer_type = None  # never registered in transformers' layer-type mappings
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: Slots):
-        super().__init__()
-        self.keys, self.values = keys, values  # [1, kv, S, D] views into the storage
-        self.slots = slots
-        self.device = keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # storage exists from the start
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.slots.pos, key_states)
-        self.values.index_copy_(2, self.slots.pos, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_seq_length(self) -> int:
-        # Unused: StaticTarget always passes positions (and cache_position where the model takes
-        # one) plus a 4D mask; the committed length is the runner's.
-        return 0
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
 
 
 class StaticTarget:

@@ -10,7 +10,6 @@ both the ``sdpa`` and ``eager`` attentions add it to the scores.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from eagle3_ray.drafter.model import sdpa_for_growing_keys
+from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, cache_api
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.sampling import Sampling, make_sampling, pick
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
@@ -27,16 +27,6 @@ from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
 if TYPE_CHECKING:
     from eagle3_ray.spec.chain import Proposer
     from eagle3_ray.spec.static import StaticTarget
-
-MASKABLE_ATTENTION = ("sdpa", "eager")  # attentions that add a custom 4D mask to the scores
-
-
-def cache_api(model: torch.nn.Module) -> tuple[str, bool]:
-    """(the forward's cache keyword, whether it takes ``cache_position``): transformers 5.24 renamed
-    past_key_values to cache and dropped cache_position; earlier 5.x take the old names."""
-    params = inspect.signature(model.forward).parameters
-    return ("cache" if "cache" in params else "past_key_values"), "cache_position" in params
-
 
 @dataclass
 class TargetOut:
