@@ -6,8 +6,7 @@ Exported dir (docs/contracts.md "Export directory"): ``config.json`` + ``model.s
 exactly ``EXPORT_KEYS`` (bf16 weights, d2t int64, t2d bool). Only safetensors, never pickle.
 
 Aux layer ids are HF ``hidden_states`` indices inside this package and are translated per engine
-on export (``translate_aux_ids``); SGLang silently serves a drafter with the wrong target states
-when this is wrong, so the rules below are pinned by tests.
+on export (``translate_aux_ids``, whose per-engine rules are in ``engines/aux_layers.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +14,22 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_ray.errors import CheckpointError, ConfigError
+# The aux-id rules live with the engines; these names stay importable from here
+# (engines/sglang.py and the drafter package import translate_aux_ids from this module).
+from eagle3_ray.engines.aux_layers import (  # noqa: F401
+    SGLANG_AUX_RULES,
+    Engine,
+    aux_ids_to_hf_indices,
+    translate_aux_ids,
+)
+from eagle3_ray.errors import CheckpointError
 
 CHECKPOINT_WEIGHTS = "drafter.safetensors"
 CHECKPOINT_CONFIG = "drafter_config.json"
@@ -49,79 +56,6 @@ EXPORT_KEYS = frozenset(
         "midlayer.post_attention_layernorm.weight",
     }
 )
-
-Engine = Literal["sglang", "vllm"]
-
-# How SGLang's `set_eagle3_layers_to_capture` (sglang/srt/models/<file>.py, 0.5.23) reads
-# eagle_aux_hidden_state_layer_ids. Its layers_to_capture c captures the input of layer c,
-# i.e. HF hidden_states[c].
-#   "plus_one": captures id + 1                      -> id = k - 1
-#   "deepseek": captures id + 1 when ids[0] == 1,    -> id = k; HF k[0] == 1 is not expressible
-#               else the ids as given
-# vLLM captures HF hidden_states[id] for every target -> id = k.
-SGLANG_AUX_RULES: dict[str, str] = {
-    "llama": "plus_one",  # llama.py
-    "mistral": "plus_one",  # mistral.py (LlamaForCausalLM subclass)
-    "qwen2": "plus_one",  # qwen2.py
-    "qwen2_moe": "plus_one",  # qwen2_moe.py
-    "qwen3": "plus_one",  # qwen3.py
-    "qwen3_moe": "plus_one",  # qwen3_moe.py
-    "glm4_moe": "plus_one",  # glm4_moe.py
-    "deepseek_v2": "deepseek",  # deepseek_v2.py
-    "deepseek_v3": "deepseek",  # deepseek_v2.py (DeepseekV3ForCausalLM)
-    "deepseek_v32": "deepseek",  # deepseek_v2.py (DeepseekV32ForCausalLM)
-    "kimi_k2": "deepseek",  # deepseek_v2.py (Kimi-K2 ships DeepseekV3ForCausalLM)
-    "kimi_k25": "deepseek",  # kimi_k25.py, delegates to DeepseekV3ForCausalLM
-    "glm4_moe_lite": "deepseek",  # glm4_moe_lite.py
-}
-
-
-def _sglang_rule(target_model_type: str) -> str:
-    rule = SGLANG_AUX_RULES.get(target_model_type)
-    if rule is None:
-        raise ConfigError(
-            f"no SGLang aux-layer rule for target model_type {target_model_type!r}: read "
-            "set_eagle3_layers_to_capture in sglang/srt/models/ for this model and add it to "
-            "eagle3_ray.drafter.export.SGLANG_AUX_RULES, or export with --engine vllm"
-        )
-    return rule
-
-
-def translate_aux_ids(hf_indices: list[int], target_model_type: str, engine: Engine) -> list[int]:
-    """HF hidden_states indices -> the engine's ``eagle_aux_hidden_state_layer_ids``."""
-    ks = list(hf_indices)
-    if engine == "vllm":
-        return ks
-    if engine != "sglang":
-        raise ConfigError(f"engine {engine!r} is unknown; use 'sglang' or 'vllm'")
-    if _sglang_rule(target_model_type) == "plus_one":
-        if min(ks) < 1:
-            raise ConfigError(
-                f"aux layers {ks} include HF index 0 (the embeddings), which SGLang cannot capture "
-                f"for {target_model_type}; use indices >= 1"
-            )
-        return [k - 1 for k in ks]
-    if ks[0] == 1:
-        raise ConfigError(
-            f"aux layers {ks} cannot be served by SGLang for a {target_model_type} target: SGLang "
-            "adds 1 to every id when the first id is 1, so HF index 1 (the output of layer 0) "
-            "cannot be requested; retrain with a first index >= 2 (the default is [2, L//2, L-3]) "
-            "or serve with vLLM"
-        )
-    return ks
-
-
-def aux_ids_to_hf_indices(ids: list[int], target_model_type: str, engine: Engine) -> list[int]:
-    """Inverse of ``translate_aux_ids``: the HF hidden_states indices the engine will capture."""
-    ids = list(ids)
-    if engine == "vllm":
-        return ids
-    if engine != "sglang":
-        raise ConfigError(f"engine {engine!r} is unknown; use 'sglang' or 'vllm'")
-    if _sglang_rule(target_model_type) == "plus_one" or ids[0] == 1:
-        return [i + 1 for i in ids]
-    return ids
-
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every exported/checkpointed tensor of a drafter with this config."""
