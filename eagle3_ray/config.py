@@ -177,6 +177,10 @@ class TrainConfig(_Section):
     prefetch_packs: int = Field(
         2, ge=1, description="Packs each worker fetches and copies to its device ahead of the running step."
     )
+    pack_loaders: int = Field(
+        2, ge=1, description="Ray Data actors per training worker reading packs from the store (at the 8B "
+        "shape a pack is 64 MB and a worker takes ~9 per second: two keep it fed)."
+    )
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads on CPU) per training worker.")
     use_gpu: bool | None = Field(None, description="Default: True when the cluster has GPUs.")

@@ -141,8 +141,8 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     save_resolved(cfg, out)
     job, packs, _, val_packs = plan_training(cfg, features, vocab, out)
     root = str(Path(features).resolve())
-    # Two pack loaders per worker: at the 8B shape a pack is 64 MB and a worker takes ~9 per second.
-    dataset = build_train_dataset(packs, root, cfg.extract.on_corrupt_shard, loaders=2 * cfg.train.num_workers)
+    dataset = build_train_dataset(packs, root, cfg.extract.on_corrupt_shard,
+                                  loaders=cfg.train.pack_loaders * cfg.train.num_workers)
     # Held-out packs, dealt to the ranks here: Ray Train's split is equal-sized and would drop the
     # packs that do not divide evenly. Each rank reads only its own "val_<rank>" (unsplit); its loader
     # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs.
