@@ -178,6 +178,16 @@ def pack_stream(shard) -> Iterator[dict]:
     return iter(shard.iter_rows())
 
 
+def _without_shm_comm_op() -> None:
+    """On CPU, gradients are reduced through gloo. DeepSpeed would first compile its shared-memory
+    allreduce op (C++, ~47 s on 2 cores the first time on a machine, then a build check in every
+    worker) to speed up reductions that a drafter trained on CPU does not need: mark the op
+    unavailable, as DeepSpeed itself does for an op that cannot build here."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def train_func(job_dict: dict[str, Any]) -> None:
     import deepspeed
     import ray.train
@@ -193,6 +203,7 @@ def train_func(job_dict: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     else:  # Ray pins OMP threads to 1 per CPU-less actor; use the CPUs this worker reserved
         torch.set_num_threads(t["cpus_per_worker"])
+        _without_shm_comm_op()
     drafter, lm_head = _build_drafter(job, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     attention = resolve_attention(t["attention"], device.type)
