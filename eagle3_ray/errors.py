@@ -1,5 +1,7 @@
 """Exceptions a user can cause. Each message says what to change."""
 
+from pathlib import Path
+
 
 class Eagle3Error(Exception):
     """Base class for every error this package raises on bad input or environment."""
@@ -39,3 +41,14 @@ class EngineError(Eagle3Error):
 
 class OutputInUse(Eagle3Error):
     """Another eagle3-ray process is writing the same output directory."""
+
+
+def require_dir(path, what: str, want: str, error: type[Eagle3Error]) -> Path:
+    """``path`` as a Path when it is an existing directory, else ``error`` naming the argument
+    (``what``), what is wrong and what to pass instead (``want``)."""
+    path = Path(path)
+    if not path.exists():
+        raise error(f"{what} {path} does not exist; {want}")
+    if not path.is_dir():
+        raise error(f"{what} {path} is a file, not a directory; {want}")
+    return path

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray.config import PipelineConfig
-from eagle3_ray.errors import ConfigError, DataError, StoreError
+from eagle3_ray.errors import ConfigError, DataError, StoreError, require_dir
 
 
 def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
@@ -197,12 +197,8 @@ def check_store(features: str):
     """A feature store: store_meta.json readable and at least one completed shard. Returns its meta."""
     from eagle3_ray.features.store import META_FILE, SHARDS_DIR, _marker_files, read_meta
 
-    p = Path(features)
     want = "pass the --out of `eagle3-ray extract`"
-    if not p.exists():
-        raise StoreError(f"--features {p} does not exist; {want}")
-    if not p.is_dir():
-        raise StoreError(f"--features {p} is a file, not a directory; {want}")
+    p = require_dir(features, "--features", want, StoreError)
     if not (p / META_FILE).is_file():
         hint = f" (did you mean {p / 'features'}?)" if (p / "features" / META_FILE).is_file() else ""
         raise StoreError(f"--features {p} is not a feature store (no {META_FILE}){hint}; {want}")

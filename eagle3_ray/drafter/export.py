@@ -29,7 +29,7 @@ from eagle3_ray.engines.aux_layers import (  # noqa: F401
     aux_ids_to_hf_indices,
     translate_aux_ids,
 )
-from eagle3_ray.errors import CheckpointError
+from eagle3_ray.errors import CheckpointError, require_dir
 
 CHECKPOINT_WEIGHTS = "drafter.safetensors"
 CHECKPOINT_CONFIG = "drafter_config.json"
@@ -272,12 +272,8 @@ def check_drafter_dir(path: str | Path, what: str = "--drafter", foreign_ok: boo
     ``foreign_ok``: a drafter exported by another tool (no eagle3_ray section, so no known aux ids)
     passes with its weights' header checked only; SGLang serves such a directory as it is. Returns
     the drafter's config, or None for such a foreign one."""
-    src = Path(path)
     want = "pass the --out of `eagle3-ray export` (config.json + model.safetensors)"
-    if not src.exists():
-        raise CheckpointError(f"{what} {src} does not exist; {want}")
-    if not src.is_dir():
-        raise CheckpointError(f"{what} {src} is a file, not a directory; {want}")
+    src = require_dir(path, what, want, CheckpointError)
     if (src / CHECKPOINT_CONFIG).is_file():
         cfg, weights = DrafterConfig.from_dict(_read_json(src / CHECKPOINT_CONFIG)), src / CHECKPOINT_WEIGHTS
     elif (src / EXPORT_CONFIG).is_file():

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray import atomic
-from eagle3_ray.errors import CheckpointError
+from eagle3_ray.errors import CheckpointError, require_dir
 from eagle3_ray.progress import say
 
 TRAIN_STATE = "train_state.json"
@@ -95,12 +95,8 @@ def checkpoint_dirs(path: str | Path) -> list[Path]:
 def find_checkpoint(path: str | Path, what: str = "--checkpoint") -> Path:
     """The newest checkpoint ``path`` names (checkpoint_dirs); a CheckpointError saying what to pass
     when ``path`` is missing, a file, or a directory that is neither a training output nor a checkpoint."""
-    path = Path(path)
     want = "pass the --out of `eagle3-ray train` or one of its checkpoint_* directories"
-    if not path.exists():
-        raise CheckpointError(f"{what} {path} does not exist; {want}")
-    if not path.is_dir():
-        raise CheckpointError(f"{what} {path} is a file, not a directory; {want}")
+    path = require_dir(path, what, want, CheckpointError)
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         hint = ""
