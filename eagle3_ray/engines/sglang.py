@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_ray.config import BenchConfig, TargetConfig
-from eagle3_ray.drafter.export import translate_aux_ids
+from eagle3_ray.engines.aux_layers import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
 from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
 from eagle3_ray.errors import ConfigError, EngineError
@@ -99,7 +99,7 @@ def import_sglang():
 def sglang_aux_ids(aux_layers: Sequence[int], model_type: str, num_layers: int) -> list[int]:
     """HF hidden_states indices -> the ids SGLang's ``set_eagle3_layers_to_capture`` expects.
 
-    The per-architecture rules live in ``eagle3_ray.drafter.export.translate_aux_ids`` (shared with
+    The per-architecture rules live in ``eagle3_ray.engines.aux_layers.translate_aux_ids`` (shared with
     export). SGLang captures the *input* of a decoder layer, so index ``num_layers`` (the output of
     the last layer, before the final norm) has no layer to capture it at.
     """
