@@ -405,3 +405,82 @@ def test_packed_rows_are_laid_out_on_the_host_as_ttt_forward_would():
     for k in rows:
         assert rows[k].dtype == expected[k].dtype, k
         torch.testing.assert_close(rows[k], expected[k], rtol=0, atol=0)
+
+
+class _LiveBytes:
+    """Bytes of tensor storage allocated by the ops run inside (a TorchDispatchMode), live and peak;
+    storages that existed before (the inputs, and views of them) are not counted. CPU has no
+    allocator statistics, so this counts the storages of op outputs until they are freed."""
+
+    def __init__(self, *existing: torch.Tensor):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.live = self.peak = 0
+        self._known = {t.untyped_storage().data_ptr() for t in existing}
+        self._refs: dict[int, object] = {}
+
+        def free(key: int, n: int) -> None:
+            tracker.live -= n
+            tracker._refs.pop(key, None)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    key, n = st.data_ptr(), st.nbytes()
+                    if n == 0 or key in tracker._known or key in tracker._refs:
+                        continue
+                    tracker.live += n
+                    tracker.peak = max(tracker.peak, tracker.live)
+                    tracker._refs[key] = weakref.ref(st, lambda _, k=key, n=n: free(k, n))
+                return out
+
+        self.mode = Mode()
+
+
+def _target_distribution_working_bytes(t: int, token_chunk: int) -> int:
+    """Peak bytes `target_distribution` allocates beyond its two outputs, for a [1, t] sequence."""
+    from eagle3_ray.drafter.ttt import target_distribution
+
+    vocab, hidden, draft = 3000, 32, 400
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(vocab, hidden, generator=g)
+    h = torch.randn(1, t, hidden, generator=g)
+    d2t = torch.zeros(draft, dtype=torch.long)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft] = True
+    mem = _LiveBytes(w, h, d2t, t2d)
+    with mem.mode:
+        p, in_draft = target_distribution(h, w, d2t, t2d, vocab_chunk=1000, token_chunk=token_chunk)
+    outputs = p.untyped_storage().nbytes() + in_draft.untyped_storage().nbytes()
+    return mem.peak - outputs
+
+
+def test_target_distribution_working_memory_is_flat_in_sequence_length():
+    # Full-vocab logits of 163,840 rows cannot be held per token: beyond its outputs (p [T, Vd] and
+    # in_draft [T]), the target distribution's memory must not grow with T. A few bytes per token of
+    # index tensors ([T] argmax ids) are allowed; one [T, chunk] fp32 logit block is not.
+    short, long = _target_distribution_working_bytes(256, 128), _target_distribution_working_bytes(2048, 128)
+    assert long - short < 16 * (2048 - 256), (short, long)
+    assert long < 128 * 1000 * 4 * 3  # a few [token_chunk, vocab_chunk] blocks, whatever T
+    # Without token chunking the working memory is a [T, vocab_chunk] block: the check above can fail.
+    assert _target_distribution_working_bytes(2048, 2048) - long > 2048 * 1000 * 4 / 2
+
+
+def test_chunked_target_distribution_equals_the_full_softmax_and_argmax():
+    from eagle3_ray.drafter.ttt import target_distribution
+
+    d = _drafter()
+    w = _lm_head(d)
+    h = torch.randn(2, 37, HT, generator=torch.Generator().manual_seed(3))
+    p, in_draft = target_distribution(h, w, d.d2t, d.t2d, vocab_chunk=7, token_chunk=5)
+    draft_rows = torch.arange(DRAFT) + d.d2t
+    torch.testing.assert_close(p, torch.softmax(h @ w[draft_rows].T, dim=-1))
+    assert torch.equal(in_draft, d.t2d[(h @ w.T).argmax(dim=-1)])

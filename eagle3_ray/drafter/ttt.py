@@ -216,29 +216,46 @@ def target_distribution(
     d2t: torch.Tensor,  # [Vd] int64
     t2d: torch.Tensor,  # [V] bool
     vocab_chunk: int = 16384,
+    token_chunk: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(p [B, T, Vd] fp32 softmax over draft-vocab target logits, in_draft [B, T] bool).
 
     ``in_draft``: the target's full-vocab argmax is a draft token. The full logits are never
     held at once: the argmax runs over row chunks of the lm_head (V x T fp32 would not fit for
-    163K-token vocabularies).
+    163K-token vocabularies), and both the argmax and the draft-vocab softmax run over chunks of
+    at most ``token_chunk`` tokens, each written into the output. So the working memory beyond the
+    outputs (token_chunk x max(vocab_chunk, Vd) fp32 logits, the lm_head rows widened to fp32)
+    does not grow with the sequence length.
     """
     with torch.autocast(last_hidden.device.type, enabled=False):  # fp32 even inside a caller's autocast
-        return _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk)
+        return _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk, token_chunk)
 
 
-def _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk):
+def _target_distribution(last_hidden, lm_head_weight, d2t, t2d, vocab_chunk, token_chunk):
     draft_rows = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] target ids
-    p = torch.softmax(_logits_fp32(last_hidden, lm_head_weight[draft_rows]), dim=-1)  # [B, T, Vd]
-    best = torch.full(last_hidden.shape[:-1], float("-inf"), device=last_hidden.device)
-    best_id = torch.zeros(last_hidden.shape[:-1], dtype=torch.long, device=last_hidden.device)
+    draft_w = lm_head_weight[draft_rows]  # [Vd, Ht]
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])  # [N, Ht]
+    n = flat.shape[0]
+    p = torch.empty(n, d2t.shape[0], dtype=torch.float32, device=flat.device)  # [N, Vd]
+    best_id = torch.empty(n, dtype=torch.long, device=flat.device)
+    for at in range(0, n, token_chunk):
+        h = flat[at : at + token_chunk]
+        p[at : at + token_chunk] = torch.softmax(_logits_fp32(h, draft_w), dim=-1)
+        best_id[at : at + token_chunk] = _argmax_rows(h, lm_head_weight, vocab_chunk)
+    return p.view(*last_hidden.shape[:-1], -1), t2d[best_id].view(last_hidden.shape[:-1])
+
+
+def _argmax_rows(h: torch.Tensor, lm_head_weight: torch.Tensor, vocab_chunk: int) -> torch.Tensor:
+    """[N, Ht] -> [N] argmax over the full vocabulary of fp32 logits, lm_head rows ``vocab_chunk`` at a time."""
+    best = torch.full(h.shape[:-1], float("-inf"), device=h.device)
+    best_id = torch.zeros(h.shape[:-1], dtype=torch.long, device=h.device)
     for start in range(0, lm_head_weight.shape[0], vocab_chunk):
-        chunk = _logits_fp32(last_hidden, lm_head_weight[start : start + vocab_chunk])  # [B, T, C]
+        chunk = _logits_fp32(h, lm_head_weight[start : start + vocab_chunk])  # [N, C]
         value, idx = chunk.max(dim=-1)
         better = value > best  # strict: ties keep the lower id, like argmax
         best = torch.where(better, value, best)
         best_id = torch.where(better, idx + start, best_id)
-    return p, t2d[best_id]
+    return best_id
 
 
 def _logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
