@@ -1,8 +1,10 @@
-"""StaticTarget (preallocated KV storage, CUDA graphs per verify width): the same greedy output and
-the same acceptance as the DynamicCache path, storage reuse across generations, graph safety of
-the forward (no host sync), and the errors a user can cause. The graph capture itself needs CUDA
-and is exercised by benchmarks/quality_smollm2.py on the H200; off CUDA the identical function
-runs eagerly."""
+"""StaticTarget (preallocated KV storage, CUDA graphs per verify width) and StaticProposer (static
+drafter cache, graphed chain / tree / commit steps): the same greedy output and the same acceptance
+as the DynamicCache path with the eager drafter, the same drafts as the eager Eagle3Proposer after
+commits of every width, storage reuse across generations, graph safety of every graphed function
+(no host sync), and the errors a user can cause. The graph capture itself needs CUDA and is
+exercised by benchmarks/device/spec_h200.sh on the H200; off CUDA the identical functions run
+eagerly."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec import StaticTarget, generate, prepare_drafter, target_generate
+from eagle3_ray.spec import (
+    Eagle3Proposer,
+    StaticProposer,
+    StaticTarget,
+    generate,
+    prepare_drafter,
+    target_generate,
+    target_top2,
+)
+from eagle3_ray.spec.sampling import Sampling, make_sampling
 from eagle3_ray.spec.static import StaticRunner
 
 
@@ -39,9 +50,10 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 MODES = [("chain", {"num_steps": 3}), ("tree", {"topk": 3, "depth": 4, "total_tokens": 10})]
 
 
-def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny):
+@pytest.mark.parametrize("draft_graphs", [True, False], ids=["static-drafter", "eager-drafter"])
+def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
     target, drafter = tiny
-    static = StaticTarget(target, drafter.config.aux_layers, max_length=256)
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=256, draft_graphs=draft_graphs)
     # Prompts of growing then shrinking length: the storage is reused and old content must stay hidden.
     prompts = _prompts(3, target.config.vocab_size)
     for prompt in prompts + prompts[::-1]:
@@ -52,7 +64,54 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny):
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             assert out == dyn == ref
             assert stats.accept_hist == dyn_stats.accept_hist  # same drafts, same verdicts
+            assert set(stats.parts) == {"prefill", "draft", "verify", "accept", "commit"}
     assert static.captured == []  # no graphs off CUDA
+    assert bool(static._proposers) == draft_graphs  # the static drafter was (not) used
+    if draft_graphs:
+        assert static.proposer(drafter).captured == []
+
+
+def test_static_drafter_drafts_as_the_eager_one(tiny):
+    """Proposer level, fp32: after the prompt and after commits of every width (partial and full
+    acceptance, padded to the mode's widest commit), the StaticProposer drafts exactly the eager
+    Eagle3Proposer's chains (greedy and sampled) and trees, and keeps the same drafter state."""
+    target, drafter = tiny
+    width = 3 * target.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=7)[0])
+    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=160)
+    with torch.inference_mode():
+        aux = torch.randn(prompt.shape[0], width, generator=g)
+        for p in (eager, static):
+            p.begin(prompt)
+            p.extend(prompt, aux)
+        commits = [1, 4, 2, 5, 3, 1, 4, 2, 5, 1]  # chain: up to K+1 = 4; tree: up to depth+1 = 5
+        for step, m in enumerate(commits):
+            if step % 3 == 0:
+                a, b = eager.draft_chain(3, Sampling()), static.draft_chain(3, Sampling())
+                assert a.ids == b.ids and b.q is None
+            elif step % 3 == 1:
+                a, b = eager.draft_tree(3, 4, 10), static.draft_tree(3, 4, 10)
+                assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+            else:
+                a = eager.draft_chain(3, make_sampling(1.0, 0.9, step, prompt.device))
+                b = static.draft_chain(3, make_sampling(1.0, 0.9, step, prompt.device))
+                assert a.ids == b.ids
+                torch.testing.assert_close(a.q, b.q)
+            ids = torch.randint(3, target.config.vocab_size, (m,), generator=g)
+            aux = torch.randn(m, width, generator=g)
+            eager.extend(ids, aux)
+            static.extend(ids, aux)
+            assert static.committed == eager.committed
+            torch.testing.assert_close(static.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
+    # Begin again on a shorter prompt: the storage is reused and the old keys must stay hidden.
+    with torch.inference_mode():
+        short = prompt[:4]
+        aux = torch.randn(4, width, generator=g)
+        for p in (eager, static):
+            p.begin(short)
+            p.extend(short, aux)
+        assert eager.draft_tree(3, 4, 10).tokens.tolist() == static.draft_tree(3, 4, 10).tokens.tolist()
 
 
 def test_tree_paths_move_in_the_storage(tiny):
@@ -86,7 +145,7 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_graphed_function_has_no_host_sync(tiny):
+def test_the_graphed_functions_have_no_host_sync(tiny):
     target, drafter = tiny
     static = StaticTarget(target, drafter.config.aux_layers, max_length=64)
     w = 4
@@ -95,6 +154,15 @@ def test_the_graphed_function_has_no_host_sync(tiny):
     with torch.inference_mode(), NoHostSync():
         logits, aux = static._run(**buf)
     assert logits.shape == (w, target.config.vocab_size) and aux.shape == (w, 3 * target.config.hidden_size)
+    # The drafter's graphed steps: commit of a fixed width, greedy chain, tree expansion.
+    proposer = static.proposer(drafter)
+    hidden = torch.randn(1, 1, target.config.hidden_size)
+    with torch.inference_mode(), NoHostSync():
+        out = proposer._extend(torch.arange(w), aux, torch.tensor(10), torch.tensor(2))
+        chain = proposer._chain(hidden, torch.tensor(14), 3)
+        tokens, scores, parents = proposer._tree(hidden, torch.tensor(14), 3, 4)
+    assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == (3,)
+    assert tokens.shape == scores.shape == parents.shape == (3 + 3 * 9,)
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the check itself can fail
         int(torch.tensor(3) + 1)
 

@@ -19,6 +19,7 @@ from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft, Eagle3Proposer, Proposer, chain_generate
 from eagle3_ray.spec.sampling import make_sampling
 from eagle3_ray.spec.static import StaticTarget
+from eagle3_ray.spec.static_draft import StaticProposer
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
 from eagle3_ray.spec.target import (
     TargetRunner,
@@ -28,6 +29,7 @@ from eagle3_ray.spec.target import (
     prompt_lookup_generate,
     prompt_tensor,
     target_generate,
+    target_top2,
 )
 from eagle3_ray.spec.tree import DraftTree, tree_generate
 
@@ -37,11 +39,13 @@ __all__ = [
     "Eagle3Proposer",
     "Proposer",
     "SpecStats",
+    "StaticProposer",
     "StaticTarget",
     "generate",
     "prepare_drafter",
     "prompt_lookup_generate",
     "target_generate",
+    "target_top2",
 ]
 
 Mode = Literal["chain", "tree"]
@@ -63,7 +67,8 @@ def generate(
     """Speculative decoding of one prompt: (new token ids, EOS kept, without the prompt; stats).
 
     ``target``: the model, or a ``StaticTarget`` built over it once (preallocated KV cache, one
-    CUDA graph per verify width, reused by every call).
+    CUDA graph per verify width, reused by every call; with its ``draft_graphs`` an Eagle3Drafter
+    drafts through its ``StaticProposer``: static drafter cache, graphed draft steps).
     Params: chain ``num_steps`` (3); tree ``topk`` (4), ``depth`` (5), ``total_tokens`` (16);
     both ``temperature`` (0 = greedy, token-for-token the target's greedy decoding), ``top_p``
     (1.0), ``seed`` (0), ``eos_token_id`` (None = target.generation_config's; [] = never stop).
@@ -73,6 +78,8 @@ def generate(
     static = target if isinstance(target, StaticTarget) else None
     model = static.model if static is not None else target
     proposer = _as_proposer(drafter, model, opts)
+    if static is not None and static.draft_graphs and isinstance(proposer, Eagle3Proposer):
+        proposer = static.proposer(proposer.drafter)  # static drafter cache, graphed draft steps
     device = model_device(model)
     prompt = prompt_tensor(input_ids, device)
     s = make_sampling(opts["temperature"], opts["top_p"], opts["seed"], device)

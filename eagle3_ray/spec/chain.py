@@ -105,16 +105,22 @@ class Eagle3Proposer:
         return eagle2_tree(self.drafter, self.cache, self.hidden, self.committed, topk, depth, total_tokens)
 
 
-def chain_step(runner: TargetRunner, proposer: Proposer, root: int, draft: Draft, s: Sampling) -> tuple[list[int], int]:
+def chain_step(
+    runner: TargetRunner, proposer: Proposer, root: int, draft: Draft, s: Sampling, clock: Stopwatch | None = None
+) -> tuple[list[int], int]:
     """Verify one chain; returns (new tokens = accepted drafts + the target's token, accepted count)."""
+    mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
     ids = torch.tensor([root, *draft.ids], device=runner.device)  # [K+1]
     out = runner.forward(ids)  # logits [K+1, V]: row i predicts the token after ids[i]
+    mark("verify")
     accepted, token = verify_chain(out.logits, draft.ids, draft.q, s)
     runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
     new_tokens = draft.ids[:accepted] + [token]
+    mark("accept")
     aux = None if out.aux is None else out.aux[: accepted + 1]  # the states that produced new_tokens
     proposer.extend(torch.tensor(new_tokens, device=runner.device), aux)
+    mark("commit")
     return new_tokens, accepted
 
 
@@ -130,8 +136,12 @@ def chain_generate(
     """Prefill, then draft K tokens and verify them until EOS or the length limit."""
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
+    clock.mark("prefill")
     while not done:
         draft = proposer.draft_chain(num_steps, s)
-        new_tokens, accepted = chain_step(runner, proposer, token, draft, s)
+        clock.mark("draft")
+        new_tokens, accepted = chain_step(runner, proposer, token, draft, s, clock)
         done, token = tally.step(new_tokens, accepted), new_tokens[-1]
-    return tally.stats(clock.seconds())
+        clock.mark("accept")
+    seconds = clock.seconds()
+    return tally.stats(seconds, clock.parts())

@@ -28,12 +28,15 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
+from eagle3_ray.drafter.model import Eagle3Drafter
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
+from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
 from eagle3_ray.spec.target import TargetOut
 
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
 MAX_GRAPHS = 8  # distinct widths captured at most
+DRAFT_HEADROOM = 512  # drafter slots past max_length: a tree's expansions ((depth - 1) * topk keys)
 
 
 class StaticTarget:
@@ -44,6 +47,9 @@ class StaticTarget:
     generation run through it. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
     ``max_graph_width``: wider forwards (a tree's verify is its token budget + 1) run eagerly, and
     markedly slower: keep it above the widest tree verify (benchmarks/results/README.md, quality).
+    ``draft_graphs``: ``spec.generate`` drafts through ``proposer(drafter)``, a ``StaticProposer``
+    (static drafter cache, CUDA-graphed chain / tree / commit steps) kept next to this storage;
+    False drafts with the eager ``Eagle3Proposer`` (the reference path).
     """
 
     def __init__(
@@ -53,6 +59,7 @@ class StaticTarget:
         max_length: int = 4096,
         cuda_graphs: bool = True,
         max_graph_width: int = MAX_GRAPH_WIDTH,
+        draft_graphs: bool = True,
     ):
         text = model.config.get_text_config()
         impl = model.config._attn_implementation
@@ -76,6 +83,8 @@ class StaticTarget:
         self.device, self.dtype = weight.device, weight.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.max_graph_width = max_graph_width
+        self.draft_graphs = draft_graphs
+        self._proposers: dict[int, tuple[torch.nn.Module, StaticProposer]] = {}
         layers = text.num_hidden_layers
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -103,6 +112,15 @@ class StaticTarget:
         runner = StaticRunner(self, with_aux=bool(aux_layers))
         self._owner = runner  # one generation at a time: it owns the storage
         return runner
+
+    def proposer(self, drafter: Eagle3Drafter) -> StaticProposer:
+        """The ``StaticProposer`` of ``drafter`` (prepared for this target), built on first use and
+        kept with its graphs: one per drafter, reused by every generation."""
+        held = self._proposers.get(id(drafter))
+        if held is None or held[0] is not drafter:
+            held = self._proposers[id(drafter)] = (
+                drafter, StaticProposer(drafter, self.max_length + DRAFT_HEADROOM, cuda_graphs=self.cuda_graphs))
+        return held[1]
 
     # -- the forward, shared by eager calls and graph capture ---------------------------------
     def _run(self, ids, past, depth, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -169,15 +187,7 @@ class StaticTarget:
             "depth": torch.arange(w, device=dev),
             "tree": torch.ones(w, w, dtype=torch.bool, device=dev).tril(),
         }
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # cuBLAS/attention workspaces and lazy inits happen outside the capture
-                self._run(**buf)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._run(**buf)
+        graph, out = capture_graph(self._run, buf, dev)
         return graph, buf, out
 
     @torch.inference_mode()

@@ -8,13 +8,19 @@ Definitions (docs/spec.md):
   bonus and is >= 1; a step cut short by EOS or max_new_tokens counts what it appended;
 - accept_by_position[i-1] = fraction of verify steps where the target accepted at least i drafts
   (before any EOS/length cut);
-- target_forwards = verify steps + the prefill, the denominator to compare methods by.
+- target_forwards = verify steps + the prefill, the denominator to compare methods by;
+- parts = wall seconds per part of the generation: ``prefill`` (the prompt's target forward and
+  the drafter's priming), then per verify cycle ``draft`` (drafting), ``verify`` (the target
+  forward), ``accept`` (the acceptance decision, cache rollback, output bookkeeping) and ``commit``
+  (feeding the accepted target states to the drafter). On CUDA each part is the device time
+  between CUDA events recorded at the part boundaries, so no part adds a host sync; they sum to
+  ``seconds`` up to the clock's own overhead.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +36,7 @@ class SpecStats:
     tokens_per_s: float
     target_forwards: int
     accept_hist: list[int]  # [K+1], verify steps that accepted exactly i drafts
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part (module doc)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +74,7 @@ class Tally:
         self.appended.append(self._push(tokens))
         return self.done
 
-    def stats(self, seconds: float) -> SpecStats:
+    def stats(self, seconds: float, parts: dict[str, float] | None = None) -> SpecStats:
         steps = len(self.appended)
         at_least = [sum(self.hist[i:]) for i in range(1, len(self.hist))]  # steps with >= i accepted
         return SpecStats(
@@ -79,16 +86,42 @@ class Tally:
             tokens_per_s=len(self.tokens) / seconds if seconds > 0 else 0.0,
             target_forwards=steps + 1,
             accept_hist=list(self.hist),
+            parts=dict(parts or {}),
         )
 
 
 class Stopwatch:
-    """Wall time of a generation; waits for the device so queued GPU work is inside the interval."""
+    """Wall time of a generation; waits for the device so queued GPU work is inside the interval.
+
+    ``mark(part)`` charges the time since the previous mark (or the start) to ``part``; on CUDA
+    with CUDA events on the current stream (no host sync), elsewhere with the host clock.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._cuda = device.type == "cuda"
         self._sync()
         self.start = time.perf_counter()
+        self._marks: list[tuple[str, object]] = [("", self._now())]
+
+    def _now(self) -> object:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, part: str) -> None:
+        self._marks.append((part, self._now()))
+
+    def parts(self) -> dict[str, float]:
+        """Seconds per part over the marks so far (waits for the device on CUDA)."""
+        self._sync()
+        total: dict[str, float] = {}
+        for (_, before), (part, after) in zip(self._marks, self._marks[1:]):
+            spent = before.elapsed_time(after) / 1000 if self._cuda else after - before
+            total[part] = total.get(part, 0.0) + spent
+        return total
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

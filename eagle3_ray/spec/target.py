@@ -162,6 +162,26 @@ def target_generate(
 
     ``target``: the model, or a ``StaticTarget`` (preallocated cache, CUDA graphs) built over it.
     """
+    tokens, stats, _ = _plain_decode(target, input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
+    return tokens, stats
+
+
+@torch.inference_mode()
+def target_top2(
+    target: torch.nn.Module | StaticTarget,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> tuple[list[int], list[tuple[float, float]]]:
+    """Greedy plain decoding as ``target_generate`` runs it (same forwards, same kernels), keeping
+    per new token the two largest logits it was chosen from: (tokens, [(top1, top2)]). Untimed;
+    the divergence audit (``eagle3_ray.bench.audit``) reads the gap at a differing position."""
+    tokens, _, top2 = _plain_decode(target, input_ids, max_new_tokens, 0.0, 1.0, 0, eos_token_id, keep_top2=True)
+    return tokens, top2
+
+
+def _plain_decode(target, input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id, keep_top2=False):
     from eagle3_ray.spec.static import StaticTarget  # static.py builds on this module
 
     check_max_new_tokens(max_new_tokens)
@@ -173,12 +193,22 @@ def target_generate(
     tally = Tally(max_new_tokens, eos_set(model, eos_token_id), max_drafts=0)
     clock = Stopwatch(device)
     runner = static.runner() if static is not None else TargetRunner(model)
-    token, next_ids = _next_token(runner.forward(prompt).logits[-1], s)
-    done = tally.first(token)
-    while not done:
-        token, next_ids = _next_token(runner.forward(next_ids).logits[-1], s)
-        done = tally.step([token], accepted=0)
-    return tally.tokens, tally.stats(clock.seconds())
+    top2: list[torch.Tensor] = []
+    logits = runner.forward(prompt).logits[-1]
+    clock.mark("prefill")
+    while True:
+        if keep_top2:
+            top2.append(logits.topk(2).values)  # stays on the device until the end
+        token, next_ids = _next_token(logits, s)
+        done = tally.first(token) if not tally.tokens else tally.step([token], accepted=0)
+        clock.mark("accept")
+        if done:
+            break
+        logits = runner.forward(next_ids).logits[-1]
+        clock.mark("verify")
+    seconds = clock.seconds()
+    pairs = [tuple(p) for p in torch.stack(top2).tolist()] if top2 else []
+    return tally.tokens, tally.stats(seconds, clock.parts()), pairs
 
 
 def _next_token(logits: torch.Tensor, s: Sampling) -> tuple[int, torch.Tensor]:

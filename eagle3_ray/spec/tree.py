@@ -152,17 +152,22 @@ def accept_path(logits: torch.Tensor, tree: DraftTree, s: Sampling) -> tuple[lis
 
 
 def tree_step(
-    runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling
+    runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling, clock: Stopwatch | None = None
 ) -> tuple[list[int], int]:
     """Verify one tree; returns (new tokens = accepted drafts + the target's token, accepted count)."""
+    mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
     depth, visible = tree.layout()  # [N+1], [N+1, N+1]
     ids = torch.cat([torch.tensor([root], device=tree.tokens.device), tree.tokens])  # [N+1]
+    mark("draft")  # the tree's layout is drafting's host work
     out = runner.forward(ids, positions=past + depth, mask=visible)
+    mark("verify")
     path, token = accept_path(out.logits, tree, s)
     runner.keep_path(past, path)
     new_tokens = ids[path[1:]].tolist() + [token]
+    mark("accept")
     proposer.extend(torch.tensor(new_tokens, device=ids.device), None if out.aux is None else out.aux[path])
+    mark("commit")
     return new_tokens, len(path) - 1
 
 
@@ -180,9 +185,13 @@ def tree_generate(
     """Prefill, then draft a tree and verify it until EOS or the length limit."""
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
+    clock.mark("prefill")
     while not done:
         tree = proposer.draft_tree(topk, depth, total_tokens)
-        new_tokens, accepted = tree_step(runner, proposer, token, tree, s)
+        clock.mark("draft")
+        new_tokens, accepted = tree_step(runner, proposer, token, tree, s, clock)
         done, token = tally.step(new_tokens, accepted), new_tokens[-1]
-    return tally.stats(clock.seconds())
+        clock.mark("accept")
+    seconds = clock.seconds()
+    return tally.stats(seconds, clock.parts())
 

@@ -1,0 +1,262 @@
+"""The drafter side of speculative decoding on a preallocated KV cache, replayed as CUDA graphs.
+
+``StaticProposer`` is the ``Proposer`` of ``spec.chain`` over the same EAGLE-3 drafter as
+``Eagle3Proposer`` (the eager reference), with the drafter's one attention layer reading and
+writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead of a growing cache:
+
+* every write goes to explicit slots (slot = drafter position), and every call passes a mask over
+  the whole storage computed on the device from the committed length, so a call has one shape per
+  width whatever the context length, and never reads the host;
+* rolling back is free: draft-step keys past the committed length stay in the storage, masked,
+  until the next call overwrites them;
+* a commit after a verify (``extend``) is padded to a fixed width (the widest commit of the mode:
+  K+1 for a chain, depth+1 for a tree) by repeating its last pair; the padding rows sit after the
+  real ones, so causality hides them from the real rows, and their keys land on slots the next call
+  overwrites before anything reads them.
+
+So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and the commit of each
+width are fixed-shape functions; on CUDA each is captured once as a CUDA graph and replayed (a
+chain cycle is then three graph replays: commit, draft, the target's verify). Off CUDA, and for
+prompts (their length varies) and sampled chains (the sampler's generator lives on the host side),
+the same functions run eagerly. ``StaticTarget.proposer`` builds one per drafter next to the
+target's storage, so the verify and the draft share one preallocated state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from eagle3_ray.drafter.model import Eagle3Drafter
+from eagle3_ray.errors import ConfigError
+from eagle3_ray.spec.chain import Draft
+from eagle3_ray.spec.sampling import Sampling, probs
+from eagle3_ray.spec.tree import DraftTree, select_nodes
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFT_GRAPHS = 8  # distinct (function, shape) keys captured per proposer at most
+
+
+class StaticDrafterCache:
+    """``DrafterKVCache``'s interface over a preallocated storage: ``append`` writes the new keys at
+    ``pos`` and returns the whole storage; callers always pass a mask over all of it."""
+
+    growing = False  # fixed shapes: keep torch's sdpa backend choice (drafter.model.attention_backends)
+
+    def __init__(self, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(1, kv_heads, length, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos: torch.Tensor | None = None  # [T] long: slots of the next append
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, self.pos, k)
+        self.v.index_copy_(2, self.pos, v)
+        return self.k, self.v
+
+
+def capture_graph(fn: Callable[..., object], buf: dict[str, torch.Tensor], device: torch.device):
+    """Warm ``fn(**buf)`` up twice on a side stream (lazy inits, workspaces), then capture it;
+    returns (graph, outputs). Replays read ``buf`` and overwrite the outputs in place."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(**buf)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(**buf)
+    return graph, out
+
+
+class StaticProposer:
+    """An ``Eagle3Drafter`` (on the target's device/dtype, embedding bound) over a static KV cache,
+    its chain / tree / commit steps replayed as CUDA graphs (see module doc).
+
+    ``max_length``: drafter positions of the longest generation (prompt + new tokens) plus the
+    widest draft (K for a chain, (depth - 1) * topk for a tree); ``StaticTarget.proposer`` sizes it
+    from the target's. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, max_length: int, cuda_graphs: bool = True):
+        cfg = drafter.config
+        weight = drafter.fc.weight
+        self.drafter = drafter
+        self.aux_layers = list(cfg.aux_layers)
+        self.device, self.dtype = weight.device, weight.dtype
+        self.max_length = max_length
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cache = StaticDrafterCache(cfg.num_key_value_heads, max_length, cfg.head_dim, self.dtype, self.device)
+        self._keys = torch.arange(max_length, device=self.device)  # [S]
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object]] = {}
+        self.captured: list[tuple] = []  # graph keys, in capture order
+        self._pad = 1  # commit width after a verify: set by the last draft (K+1 / depth+1)
+        self.begin(torch.empty(0))
+
+    # -- the Proposer interface ----------------------------------------------------------------
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.committed = 0
+        self.hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
+
+    @torch.inference_mode()
+    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
+        assert aux is not None and aux.shape[0] == next_ids.shape[0], "EAGLE-3 needs one aux state per token"
+        m = next_ids.shape[0]
+        ids, aux = next_ids.to(self.device), aux.to(self.device)
+        width = max(m, self._pad) if self.committed > 0 else m  # a prompt: its own length, eagerly
+        if width > m:  # repeat the last pair: padding rows come after the real ones (module doc)
+            ids = torch.cat([ids, ids[-1:].expand(width - m)])
+            aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
+        self._fits(self.committed + width, f"a commit of {width}")
+        past = torch.tensor(self.committed, device=self.device)
+        last = torch.tensor(m - 1, device=self.device)
+        self.hidden = self._call(("extend", width), self._extend, {"ids": ids, "aux": aux, "past": past, "last": last},
+                                 graph=self.committed > 0)
+        self.committed += m
+
+    @torch.inference_mode()
+    def draft_chain(self, k: int, s: Sampling) -> Draft:
+        self._pad = k + 1
+        self._fits(self.committed + k, f"a chain of {k} drafts")
+        past = torch.tensor(self.committed, device=self.device)
+        if s.greedy:
+            fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
+            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": past}, graph=True)
+            return Draft(ids.tolist(), None)
+        ids, qs = self._chain_sampled(self.hidden, past, k, s)
+        return Draft(ids.tolist(), qs)
+
+    @torch.inference_mode()
+    def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
+        self._pad = depth + 1
+        if topk > self.drafter.config.draft_vocab_size:
+            raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
+                              f"({self.drafter.config.draft_vocab_size}); lower it")
+        self._fits(self.committed + (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}")
+        past = torch.tensor(self.committed, device=self.device)
+        fn = lambda hidden, past: self._tree(hidden, past, topk, depth)  # noqa: E731
+        tokens, scores, parents = self._call(("tree", topk, depth), fn, {"hidden": self.hidden, "past": past},
+                                             graph=True)
+        return select_nodes(tokens, scores, parents, total_tokens)
+
+    # -- fixed-shape functions: run eagerly or captured ------------------------------------------
+    def _extend(self, ids, aux, past, last) -> torch.Tensor:
+        """ids [W], aux [W, A*Ht], past [] long, last [] long -> [1, 1, H] output of row ``last``."""
+        w = ids.shape[0]
+        pos = past + torch.arange(w, device=self.device)  # [W] positions = slots
+        self.cache.pos = pos
+        mask = (self._keys[None, :] <= pos[:, None])[None, None]  # [1, 1, W, S]: causal over the storage
+        d = self.drafter
+        out = d(ids[None], d.fuse(aux[None]), pos[None], attention_mask=mask, cache=self.cache)  # [1, W, H]
+        return out.index_select(1, last.view(1))
+
+    def _step(self, token: torch.Tensor, hidden: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """One chain draft step: ``token`` [1] at position/slot ``at`` [] -> [1, 1, H]."""
+        pos = at.view(1)
+        self.cache.pos = pos
+        mask = (self._keys <= at)[None, None, None]  # [1, 1, 1, S]
+        return self.drafter(token.view(1, 1), hidden, pos.view(1, 1), attention_mask=mask, cache=self.cache)
+
+    def _chain(self, hidden, past, k: int) -> torch.Tensor:
+        """Greedy chain of ``k`` drafts -> [k] target ids (on the device)."""
+        d, h, ids = self.drafter, hidden, []
+        for i in range(k):
+            token = d.draft_to_target(d.logits(h)[0, -1].argmax().view(1))  # [1]: a 0-d index would sync
+            ids.append(token)
+            if i + 1 < k:
+                h = self._step(token, h, past + i)
+        return torch.cat(ids)
+
+    def _chain_sampled(self, hidden, past, k: int, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        d, h, ids, qs = self.drafter, hidden, [], []
+        rows = d.draft_to_target(torch.arange(d.config.draft_vocab_size, device=self.device))
+        for i in range(k):
+            q = probs(d.logits(h)[0, -1], s)  # [Vd]
+            token = d.draft_to_target(torch.multinomial(q, 1, generator=s.generator))  # [1]
+            ids.append(token)
+            qs.append(q.new_zeros(d.config.vocab_size).index_copy(0, rows, q))
+            if i + 1 < k:
+                h = self._step(token, h, past + i)
+        return torch.cat(ids), torch.stack(qs)
+
+    def _tree(self, hidden, past, topk: int, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``spec.tree.eagle2_tree`` over the static cache: expansion d (1-based) writes its ``topk``
+        keys at slots past + (d-1)*topk ..; returns every drafted node's (target id, cumulative
+        log-prob, parent) before selection."""
+        d, dev = self.drafter, self.device
+        logp = d.logits(hidden)[0, -1].float().log_softmax(-1)  # [Vd]
+        scores, ids = logp.topk(topk)
+        all_ids, all_scores, all_parents = [ids], [scores], [torch.full((topk,), -1, device=dev)]
+        frontier = torch.arange(topk, device=dev)
+        frontier_hidden = hidden.expand(1, topk, -1)  # [1, k, H]
+        seen = torch.zeros(topk, 0, dtype=torch.bool, device=dev)  # [k, E] earlier expansion keys each row sees
+        eye = torch.eye(topk, dtype=torch.bool, device=dev)
+        rel = self._keys - past  # [S] slot relative to the first expansion key
+        count = topk
+        for level in range(1, depth):
+            visible_new = torch.cat([seen, eye], dim=1)  # [k, level*k] over the expansion slots so far
+            n = visible_new.shape[1]
+            inside = (rel >= 0) & (rel < n)
+            mask = (rel < 0) | (inside & visible_new.gather(1, rel.clamp(0, n - 1).expand(topk, -1)))  # [k, S]
+            self.cache.pos = past + (level - 1) * topk + torch.arange(topk, device=dev)
+            out = d(d.draft_to_target(ids)[None], frontier_hidden, (past + level - 1).expand(1, topk),
+                    attention_mask=mask[None, None], cache=self.cache)  # [1, k, H]
+            child_logp, child_ids = d.logits(out)[0].float().log_softmax(-1).topk(topk, dim=-1)  # [k, k]
+            cand = (scores[:, None] + child_logp).flatten()
+            all_ids.append(child_ids.flatten())
+            all_scores.append(cand)
+            all_parents.append(frontier.repeat_interleave(topk))
+            scores, best = cand.topk(topk)
+            rows = best // topk
+            ids = child_ids.flatten()[best]
+            frontier = count + best
+            frontier_hidden = out[:, rows]
+            seen = visible_new[rows]
+            count += topk * topk
+        return d.draft_to_target(torch.cat(all_ids)), torch.cat(all_scores), torch.cat(all_parents)
+
+    # -- graphs -------------------------------------------------------------------------------
+    def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor], graph: bool):
+        """``fn(**args)``, through the graph of ``key`` when graphs are on (captured on first use)."""
+        entry = self._graph(key, fn, args) if graph and self.cuda_graphs else None
+        if entry is None:
+            return fn(**args)
+        g, buf, out = entry
+        for name, value in args.items():
+            buf[name].copy_(value, non_blocking=True)
+        g.replay()
+        # Copies: the next replay overwrites the graph's outputs.
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+
+    def _graph(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor]):
+        if key not in self._graphs and len(self._graphs) < MAX_DRAFT_GRAPHS:
+            buf = {name: value.clone() for name, value in args.items()}
+            # Warm-up and capture write keys into the last slots; what the generation has there is
+            # saved and put back, so a capture in the middle of a generation changes nothing.
+            span = {"extend": lambda: key[1], "chain": lambda: key[1], "tree": lambda: (key[2] - 1) * key[1]}[key[0]]()
+            lo = self.max_length - max(span, 1)
+            buf["past"].fill_(lo)
+            if "last" in buf:
+                buf["last"].fill_(0)
+            saved = self.cache.k[:, :, lo:].clone(), self.cache.v[:, :, lo:].clone()
+            graph, out = capture_graph(fn, buf, self.device)
+            self.cache.k[:, :, lo:].copy_(saved[0])
+            self.cache.v[:, :, lo:].copy_(saved[1])
+            self._graphs[key] = (graph, buf, out)
+            self.captured.append(key)
+            log.debug("captured the drafter graph %s", key)
+        return self._graphs.get(key)
+
+    def _fits(self, slots: int, what: str) -> None:
+        if slots > self.max_length:
+            raise ConfigError(
+                f"{what} needs {slots} drafter cache slots, the static drafter holds max_length={self.max_length}; "
+                "build the StaticTarget with a larger max_length or ask for fewer tokens"
+            )
