@@ -208,6 +208,10 @@ class BenchConfig(_Section):
         True, description="On CUDA, decode (baseline included) through a StaticTarget: preallocated KV cache "
         "and CUDA graphs per verify width (docs/spec.md). Off CUDA it has no effect."
     )
+    draft_graphs: bool = Field(
+        True, description="With cuda_graphs on CUDA, the drafter too runs on a static KV cache with CUDA-graphed "
+        "chain/tree steps (spec.StaticProposer); false drafts eagerly (the reference path, for comparison)."
+    )
     max_length: int = Field(8192, ge=16, description="Longest prompt + new tokens of a StaticTarget generation.")
     num_gpus: float = Field(0.0, ge=0.0)
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
