@@ -1,12 +1,14 @@
-"""The Ray Train worker loop: build, restore, loop (step, log, checkpoint), close.
+"""The Ray Train worker: a `Trainer` per worker (setup, step, evaluate, save) and its loop.
 
-Runs in every TorchTrainer worker. `deepspeed.initialize` wraps the drafter (ZeRO stage from the
-config; bf16 on GPU, fp32 + gloo on CPU). Features arrive as packed micro-batches through
+Runs in every TorchTrainer worker (`train_func`). `deepspeed.initialize` wraps the drafter (ZeRO stage
+from the config; bf16 on GPU, fp32 + gloo on CPU); the training step itself is train/step.py's
+`TrainStep`, the one every benchmark runs too. Features arrive as packed micro-batches through
 `ray.train.get_dataset_shard("train")`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -14,18 +16,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import ray.train
 import torch
 
+from eagle3_ray import metrics as dashboard
+from eagle3_ray.config import TrainConfig
+from eagle3_ray.data.vocab import load_vocab_map
+from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
+from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_ray.drafter.ttt import TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
+from eagle3_ray.train.data import row_to_batch
+from eagle3_ray.train.prefetch import PackPrefetcher
+from eagle3_ray.train.schedule import warmup_cosine
+from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention  # noqa: F401 (importable from here)
 
 
 @dataclass
 class TrainJob:
-    """Everything a worker needs; built by the driver (trainer.py), JSON-safe."""
+    """Everything a worker needs; built by the driver (trainer.py), handed to the workers as it is
+    (pickled by Ray: the config section stays a `TrainConfig`)."""
 
-    train: dict[str, Any]  # TrainConfig.model_dump()
-    drafter_config: dict[str, Any]  # DrafterConfig.to_dict()
+    train: TrainConfig
+    drafter_config: DrafterConfig
     heads_path: str
     vocab_path: str
     out_dir: str  # metrics.jsonl goes here
@@ -33,7 +48,7 @@ class TrainJob:
     identity: dict[str, Any] = field(default_factory=dict)  # must match to resume a checkpoint
     use_gpu: bool = False
     run: str = ""  # config `name`: the `run` tag of the dashboard metrics
-    resume_from: str | None = None  # newest checkpoint on storage when the driver started (see _restore)
+    resume_from: str | None = None  # newest checkpoint on storage when the driver started (see Trainer.restore)
     val_packs: int = 0  # held-out packs in all (train.val_share), 0 = no evaluation
     val_datasets: list[str] = field(default_factory=list)  # "val_<rank>" of the ranks with held-out packs
 
@@ -48,47 +63,30 @@ def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": t["lr"], "betas": [0.9, 0.95], "eps": 1e-8,
-                       "weight_decay": t["weight_decay"], "torch_adam": True},
+                       "weight_decay": t["weight_decay"], "torch_adam": True,
+                       # torch's fused AdamW on CUDA: one kernel over the flat fp32 partition, not a
+                       # chain of foreach kernels, each a pass over the optimizer state.
+                       "fused": use_gpu},
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
 
-def _build_drafter(job: TrainJob, device: torch.device):
-    from eagle3_ray.data.vocab import load_vocab_map
-    from eagle3_ray.drafter.export import init_drafter_from
-    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3_ray.engines.heads import load_target_heads
-
-    torch.manual_seed(job.train["seed"])
-    cfg = DrafterConfig.from_dict(job.drafter_config)
-    drafter = Eagle3Drafter(cfg)
+def build_drafter(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter (seeded, vocab map set, `train.init_from` loaded, target embedding bound) on
+    `device`, and the frozen target lm_head in the training dtype."""
+    torch.manual_seed(job.train.seed)
+    drafter = Eagle3Drafter(job.drafter_config)
     embed, lm_head = load_target_heads(job.heads_path)
     d2t, t2d, _ = load_vocab_map(job.vocab_path)
     drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
-    if job.train.get("init_from"):
-        state = init_drafter_from(job.train["init_from"], cfg)
-        drafter.load_state_dict(state, strict=False)
+    if job.train.init_from:
+        drafter.load_state_dict(init_drafter_from(job.train.init_from, job.drafter_config), strict=False)
     dtype = torch.bfloat16 if job.use_gpu else torch.float32
     drafter.to(device)
     drafter.bind_embedding(embed.to(device).float())  # widened on the device, not in host memory
     return drafter, lm_head.to(device=device, dtype=dtype)
-
-
-def resolve_attention(setting: str, device_type: str) -> str:
-    """``train.attention`` -> the implementation to run; flex trains only on CUDA (no CPU backward).
-
-    ``auto`` is sdpa everywhere: flex matches sdpa's loss and gradients, and is not the default
-    until its speed in the training loop is known (benchmarks/results/README.md).
-    """
-    from eagle3_ray.errors import ConfigError
-
-    if setting == "auto":
-        return "sdpa"
-    if setting == "flex" and device_type != "cuda":
-        raise ConfigError("train.attention=flex needs CUDA (flex_attention has no CPU backward); use sdpa or auto")
-    return setting
 
 
 def _vote_group():
@@ -118,57 +116,6 @@ def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[st
     return dict(zip(keys, t.tolist()))
 
 
-def _save_checkpoint(engine, drafter, job: TrainJob, step: int, consumed: list[str], metrics: dict) -> None:
-    import ray.train
-
-    from eagle3_ray.drafter.export import save_drafter_weights
-
-    rank = ray.train.get_context().get_world_rank()
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        engine.save_checkpoint(str(d), tag=ck.DS_TAG)
-        ck.write_json(d / ck.DATA_STATE_DIR / f"rank-{rank}.json", sorted(consumed))
-        gather = _gathered(engine, drafter)
-        with gather:
-            if rank == 0:
-                save_drafter_weights(drafter, d)
-                ck.write_json(d / ck.TRAIN_STATE, {"step": step, "metrics": metrics, "identity": job.identity,
-                                                   "world_size": ray.train.get_context().get_world_size(),
-                                                   "zero_stage": engine.zero_optimization_stage()})
-        ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-
-
-def _gathered(engine, drafter):
-    """ZeRO-3 partitions parameters: gather them (on every rank) while rank 0 saves."""
-    import contextlib
-
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def _restore(engine, job: TrainJob) -> tuple[int, set[str]]:
-    import ray.train
-
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is None and job.resume_from:
-        # Ray Train registers a checkpoint only after its upload; a job killed in between leaves it on
-        # storage but not in Ray Train's snapshot, and the rerun would silently start from step 0.
-        ckpt = ray.train.Checkpoint.from_directory(job.resume_from)
-    if ckpt is None:
-        return 0, set()
-    with ckpt.as_directory() as d:
-        d = Path(d)
-        state = ck.read_train_state(d)
-        ck.check_identity(state.get("identity", {}), job.identity, d)
-        engine.load_checkpoint(str(d), tag=ck.DS_TAG)
-        consumed = ck.consumed_packs(d)
-    say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
-    return int(state["step"]), consumed
-
-
 def pack_stream(shard) -> Iterator[dict]:
     """One pass over a worker's dataset shard, as an iterator.
 
@@ -183,153 +130,191 @@ def _without_shm_comm_op() -> None:
     allreduce op (C++, ~47 s on 2 cores the first time on a machine, then a build check in every
     worker) to speed up reductions that a drafter trained on CPU does not need: mark the op
     unavailable, as DeepSpeed itself does for an op that cannot build here."""
-    import deepspeed.ops
+    import deepspeed.ops  # heavy: only in a worker that trains on CPU
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def train_func(job_dict: dict[str, Any]) -> None:
-    import deepspeed
-    import ray.train
+class Trainer:
+    """One Ray Train worker's training, as torchtitan's Trainer: `setup` builds the drafter, the
+    DeepSpeed engine and the step and restores the latest checkpoint; `step` trains one micro-batch;
+    `evaluate` gives the held-out metrics; `save` reports a checkpoint; `fit` runs the loop (step,
+    log, evaluate, checkpoint) over the worker's shard."""
 
-    from eagle3_ray.train.prefetch import PackPrefetcher
-    from eagle3_ray.train.schedule import warmup_cosine
+    def __init__(self, job: TrainJob):
+        self.job, self.t = job, job.train
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
+        self.hidden_dtype = torch.bfloat16 if job.use_gpu else torch.float32
+        self.attention = resolve_attention(self.t.attention, self.device.type)
+        self.max_steps = min(job.total_steps, self.t.max_steps or job.total_steps)
+        self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
+        self.global_step = 0  # optimizer steps taken (restored on resume)
+        self.consumed: set[str] = set()  # pack keys trained on (the data position)
+        self.engine = self.train_step = self.vote_group = self.val_shard = None
 
-    job = TrainJob(**job_dict)
-    t = job.train
-    ctx = ray.train.get_context()
-    device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
-    if job.use_gpu:
-        torch.cuda.set_device(device)
-    else:  # Ray pins OMP threads to 1 per CPU-less actor; use the CPUs this worker reserved
-        torch.set_num_threads(t["cpus_per_worker"])
-        _without_shm_comm_op()
-    drafter, lm_head = _build_drafter(job, device)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    attention = resolve_attention(t["attention"], device.type)
-    if t["compile"]:
-        drafter.midlayer.compile()
+    def setup(self) -> Trainer:
+        import deepspeed  # heavy: imported in the worker only
 
-    def lr_lambda(step: int) -> float:
-        return warmup_cosine(step, t["warmup_steps"], job.total_steps, t["min_lr_ratio"])
+        t, job = self.t, self.job
+        if job.use_gpu:
+            torch.cuda.set_device(self.device)
+        else:  # Ray pins OMP threads to 1 per CPU-less actor; use the CPUs this worker reserved
+            torch.set_num_threads(t.cpus_per_worker)
+            _without_shm_comm_op()
+        drafter, lm_head = build_drafter(job, self.device)
+        if t.compile:
+            drafter.midlayer.compile()
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=drafter,
-        model_parameters=params,
-        config=_ds_config(t, job.use_gpu),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
-    )
-    step, consumed = _restore(engine, job)
-    hidden_dtype = torch.bfloat16 if job.use_gpu else torch.float32
-    metrics_path = Path(job.out_dir) / "metrics.jsonl"
-    max_steps = min(job.total_steps, t["max_steps"] or job.total_steps)
+        def lr_lambda(step: int) -> float:
+            return warmup_cosine(step, t.warmup_steps, job.total_steps, t.min_lr_ratio)
 
-    def convert(row):
-        return _convert(row, device, hidden_dtype, t["row_tokens"] if attention == "sdpa" else None)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=drafter,
+            model_parameters=[p for p in drafter.parameters() if p.requires_grad],
+            config=_ds_config(t.model_dump(), job.use_gpu),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+        )
+        # Rows reach the step already laid out by the prefetch thread (row_to_batch): no row_tokens here.
+        self.train_step = TrainStep(self.engine, lm_head, StepConfig.from_train(t, self.attention))
+        self.global_step, self.consumed = self.restore()
+        self.vote_group = _vote_group()
+        name = f"val_{self.rank}"
+        if job.val_packs and name in job.val_datasets:
+            self.val_shard = ray.train.get_dataset_shard(name)
+        return self
 
-    # Packs are fetched and copied to the device on a background thread while the step runs.
-    prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")), convert,
-                              device, skip=frozenset(consumed), depth=t["prefetch_packs"])
-    vote_group = _vote_group()
-    evaluate = None
-    if job.val_packs:
-        name = f"val_{ctx.get_world_rank()}"
-        val_shard = ray.train.get_dataset_shard(name) if name in job.val_datasets else None
+    def restore(self) -> tuple[int, set[str]]:
+        """(optimizer step, consumed pack keys) of the checkpoint to resume from; (0, {}) for none."""
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None and self.job.resume_from:
+            # Ray Train registers a checkpoint only after its upload; a job killed in between leaves it on
+            # storage but not in Ray Train's snapshot, and the rerun would silently start from step 0.
+            ckpt = ray.train.Checkpoint.from_directory(self.job.resume_from)
+        if ckpt is None:
+            return 0, set()
+        with ckpt.as_directory() as d:
+            d = Path(d)
+            state = ck.read_train_state(d)
+            ck.check_identity(state.get("identity", {}), self.job.identity, d)
+            self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
+            consumed = ck.consumed_packs(d)
+        say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
+        return int(state["step"]), consumed
 
-        def evaluate() -> dict[str, float]:
-            return _evaluate(engine.module, val_shard, convert, lm_head, t, attention, vote_group)
+    def step(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        """One micro-batch through the training step (the optimizer steps once per grad_accum)."""
+        return self.train_step(batch)
 
-    try:
-        _loop(engine, job, prefetch, lm_head, consumed, step, max_steps, attention, device, metrics_path,
-              vote_group, evaluate)
-    finally:
-        prefetch.close()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics over this rank's share of the held-out packs (none when it has none),
+        summed over the ranks (on the host gloo group) before the token-weighted means."""
+        rows = pack_stream(self.val_shard) if self.val_shard is not None else ()  # a fresh pass each time
+        sums = self.train_step.held_out_sums(self._convert(row) for row in rows)
+        if self.vote_group is not None:
+            torch.distributed.all_reduce(sums, group=self.vote_group)
+        return held_out_metrics(sums)
+
+    def save(self, metrics: dict[str, float]) -> None:
+        """Report a checkpoint of the current step: DeepSpeed state (every rank), each rank's consumed
+        packs, and on rank 0 the full drafter weights and train_state.json."""
+        engine, drafter = self.engine, self.engine.module
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            engine.save_checkpoint(str(d), tag=ck.DS_TAG)
+            ck.write_json(d / ck.DATA_STATE_DIR / f"rank-{self.rank}.json", sorted(self.consumed))
+            with self._gathered():
+                if self.rank == 0:
+                    save_drafter_weights(drafter, d)
+                    ck.write_json(d / ck.TRAIN_STATE, {"step": self.global_step, "metrics": metrics,
+                                                       "identity": self.job.identity, "world_size": self.world_size,
+                                                       "zero_stage": engine.zero_optimization_stage()})
+            ray.train.report({**metrics, "step": self.global_step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    def fit(self) -> None:
+        """Train on this worker's shard until `max_steps` or the data runs out on any rank."""
+        # Packs are fetched and copied to the device on a background thread while the step runs.
+        prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")), self._convert, self.device,
+                                  skip=frozenset(self.consumed), depth=self.t.prefetch_packs)
+        try:
+            self._loop(prefetch)
+        finally:
+            prefetch.close()
+
+    def _loop(self, prefetch: PackPrefetcher) -> None:
+        t = self.t
+        window: list[torch.Tensor] = []  # each step's TTT stats, read back once per logged step
+        tokens, wait, t0 = 0, 0.0, time.monotonic()
+        saved_step = self.global_step
+        next_eval = (self.global_step // t.eval_every + 1) * t.eval_every  # held-out evaluation due at this step
+        last_metrics: dict[str, float] = {}
+        while self.global_step < self.max_steps:
+            t_wait = time.monotonic()
+            item = prefetch.next()
+            wait += time.monotonic() - t_wait
+            if not _all_have_data(item is not None, self.vote_group):
+                break
+            key, batch, pack_tokens = item
+            self.consumed.add(key)
+            out = self.step(batch)
+            tokens += pack_tokens
+            window.append(out.stats)
+            if not self.train_step.stepped:
+                continue
+            self.global_step += 1
+            step = self.global_step
+            if step % t.log_every == 0 or step == self.max_steps:
+                m = mean_metrics(window, t.loss_decay)  # waits for the window's steps to finish
+                elapsed = time.monotonic() - t0  # so measured after that wait: the window's real time
+                m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
+                m["input_wait"] = wait / max(elapsed, 1e-9)  # share of the time spent waiting for packs
+                m = _mean_over_ranks(m, self.device)
+                m["tokens_per_s"] *= self.world_size
+                m["lr"] = self.engine.get_lr()[0]
+                m["step"] = step
+                if self.job.val_packs and (step >= next_eval or step == self.max_steps):
+                    m.update(self.evaluate())  # every rank: its share of the held-out packs, summed
+                    next_eval = (step // t.eval_every + 1) * t.eval_every
+                last_metrics = m
+                if self.rank == 0:
+                    self._log(m)
+                # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
+                # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
+                # and Ray Train gets them with every checkpoint.
+                window, tokens, wait, t0 = [], 0, 0.0, time.monotonic()
+            if step % t.checkpoint_every == 0 or step == self.max_steps:
+                self.save(last_metrics)
+                saved_step = step
+        if self.global_step != saved_step:  # the data ran out between checkpoints: keep the final state
+            self.save(last_metrics)
+
+    def _log(self, m: dict[str, float]) -> None:
+        t = self.t
+        dashboard.record_train_step(m, self.job.run, t.ttt_steps)
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(m) + "\n")
+        accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t.ttt_steps))
+        say(f"[train] step {m['step']}/{self.max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
+            f"(served {m['tau_served']:.2f}) acc [{accs}] "
+            f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
+            + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} acc0 {m['val_acc_0']:.2f}"
+               if "val_tau" in m else ""))
+
+    def _convert(self, row: dict) -> tuple[dict[str, torch.Tensor], int]:
+        """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
+        row_tokens = self.t.row_tokens if self.attention == "sdpa" else None
+        return row_to_batch(row, self.device, self.hidden_dtype, row_tokens), len(row["input_ids"])
+
+    def _gathered(self):
+        """ZeRO-3 partitions parameters: gather them (on every rank) while rank 0 saves."""
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed  # heavy: imported in the worker only
+
+            return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
 
 
-def _evaluate(drafter, val_shard, convert, lm_head, t: dict[str, Any], attention: str, group) -> dict[str, float]:
-    """Held-out metrics over this rank's share of the held-out packs (`val_shard`, None when it has
-    none), summed over the ranks (on the host gloo group; None for one worker)."""
-    from eagle3_ray.drafter.ttt import held_out_metrics, held_out_sums, ttt_forward
-
-    rows = pack_stream(val_shard) if val_shard is not None else ()  # a fresh pass each time
-    sums = held_out_sums(drafter, (convert(row) for row in rows),
-                         lambda batch: ttt_forward(drafter, batch, lm_head, t["ttt_steps"], t["loss_decay"],
-                                                   attention, pad_to=t["batch_tokens"]))
-    if group is not None:
-        torch.distributed.all_reduce(sums, group=group)
-    return held_out_metrics(sums)
-
-
-def _convert(row: dict, device: torch.device, hidden_dtype: torch.dtype, row_tokens: int | None):
-    """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
-    from eagle3_ray.train.data import row_to_batch
-
-    return row_to_batch(row, device, hidden_dtype, row_tokens), len(row["input_ids"])
-
-
-def _loop(engine, job: TrainJob, prefetch, lm_head, consumed: set[str], step: int, max_steps: int,
-          attention: str, device: torch.device, metrics_path: Path, vote_group, evaluate=None) -> None:
-    import ray.train
-
-    from eagle3_ray.drafter.ttt import mean_metrics, ttt_forward
-
-    t = job.train
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    window: list[torch.Tensor] = []  # each step's TTT stats, read back once per logged step
-    tokens, wait, t0 = 0, 0.0, time.monotonic()
-    micro, saved_step = 0, step
-    next_eval = (step // t["eval_every"] + 1) * t["eval_every"]  # held-out evaluation due at this step
-    last_metrics: dict[str, float] = {}
-    while step < max_steps:
-        t_wait = time.monotonic()
-        item = prefetch.next()
-        wait += time.monotonic() - t_wait
-        if not _all_have_data(item is not None, vote_group):
-            break
-        key, batch, pack_tokens = item
-        consumed.add(key)
-        out = ttt_forward(engine.module, batch, lm_head, t["ttt_steps"], t["loss_decay"], attention,
-                          pad_to=t["batch_tokens"])  # sdpa rows: laid out by the prefetch thread
-        engine.backward(out.loss)
-        engine.step()
-        micro += 1
-        tokens += pack_tokens
-        window.append(out.stats)
-        if micro % t["grad_accum"]:
-            continue
-        step += 1
-        if step % t["log_every"] == 0 or step == max_steps:
-            m = mean_metrics(window, t["loss_decay"])  # waits for the window's steps to finish
-            elapsed = time.monotonic() - t0  # so measured after that wait: the window's real time
-            m["tokens_per_s"] = tokens / max(elapsed, 1e-9)
-            m["input_wait"] = wait / max(elapsed, 1e-9)  # share of the time spent waiting for packs
-            m = _mean_over_ranks(m, device)
-            m["tokens_per_s"] *= ctx.get_world_size()
-            m["lr"] = engine.get_lr()[0]
-            m["step"] = step
-            if evaluate is not None and (step >= next_eval or step == max_steps):
-                m.update(evaluate())  # every rank: its share of the held-out packs, summed
-                next_eval = (step // t["eval_every"] + 1) * t["eval_every"]
-            last_metrics = m
-            if rank == 0:
-                from eagle3_ray import metrics
-
-                metrics.record_train_step(m, job.run, t["ttt_steps"])
-                with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(m) + "\n")
-                accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t["ttt_steps"]))
-                say(f"[train] step {step}/{max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
-                     f"(served {m['tau_served']:.2f}) acc [{accs}] "
-                     f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
-                     + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} acc0 {m['val_acc_0']:.2f}"
-                        if "val_tau" in m else ""))
-            # No metrics-only ray.train.report here: each one waits for Ray Train's controller poll
-            # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
-            # and Ray Train gets them with every checkpoint.
-            window, tokens, wait, t0 = [], 0, 0.0, time.monotonic()
-        if step % t["checkpoint_every"] == 0 or step == max_steps:
-            _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
-            saved_step = step
-    if step != saved_step:  # the data ran out between checkpoints: keep the final state
-        _save_checkpoint(engine, engine.module, job, step, sorted(consumed), last_metrics)
+def train_func(config: dict[str, Any]) -> None:
+    """The TorchTrainer's per-worker function: ``config["job"]`` is the driver's TrainJob."""
+    Trainer(config["job"]).setup().fit()
