@@ -4,11 +4,17 @@
     python benchmarks/train_step.py --device cuda --dtype bfloat16 --peak-tflops 785
     # both attention implementations in one run, after checking they agree (loss and gradients)
     python benchmarks/train_step.py --peak-tflops 785 --attention sdpa,flex --check
+    # the same step through DeepSpeed's engine (bf16, fp32 master weights, ZeRO stage 2), no Ray
+    python benchmarks/train_step.py --preset kimi-k2.5 --engine deepspeed --zero-stage 2 --peak-tflops 785
     # small and quick on a CPU
     python benchmarks/train_step.py --preset smollm2 --seq 512 --steps 3
 
-One step = `ttt_forward` (TTT unroll, target distribution from the frozen lm_head) + backward +
-AdamW on random features of one packed sequence. Model FLOPs per step (counted, not measured):
+One step = `train.step.TrainStep` (the training loop's step: `ttt_forward`, backward, gradient
+clipping, AdamW) on random features of one packed sequence, over one of two engines:
+`torch` (bf16 weights, `train.step.adamw`, fused on CUDA) or `deepspeed` (`deepspeed.initialize`
+with the training loop's `_ds_config`: bf16 with fp32 master weights, the given ZeRO stage, one rank
+in this process). `--sync-check` counts the host synchronisations of one step (CUDA's sync debug
+mode). Model FLOPs per step (counted, not measured):
 3x the drafter's forward matmuls per TTT step (forward + backward), attention scores over the
 causal prefix plus the TTT diagonal, and 1x the no-grad target-logit matmuls.
 """
@@ -17,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+import warnings
 
 import torch
 
 PRESETS = {
     "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256),
     "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152),
-    "kimi-k2.5": dict(hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840),
+    # configs/kimi-k2.5.yaml's drafter (56 x 128 = H); target vocab 163,840
+    "kimi-k2.5": dict(hidden=7168, heads=56, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840),
 }
 
 
@@ -71,7 +80,7 @@ def _check_flex(drafter, lm_head, a, dev, dtype) -> dict:
             "grad_rel_diff": rel}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
@@ -82,41 +91,119 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    ap.add_argument("--dtype", default=None, help="torch engine weights (default bfloat16 on CUDA, else float32)")
+    ap.add_argument("--engine", choices=["torch", "deepspeed"], default="torch")
+    ap.add_argument("--zero-stage", type=int, default=1, help="--engine deepspeed: ZeRO stage")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (e.g. 785 on H200)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layer and head")
     ap.add_argument("--attention", default="sdpa", help="comma-separated: sdpa, flex (each timed in this run)")
     ap.add_argument("--check", action="store_true",
                     help="first compare loss and gradients of sdpa and flex on a packed batch of 3 samples")
+    ap.add_argument("--sync-check", action="store_true",
+                    help="count the host synchronisations of one step (CUDA only: torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.dtype is None:
+        a.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+    return a
 
+
+def build_drafter(a, dev: torch.device, dtype: torch.dtype):
+    """(drafter, lm_head): random weights, built on ``dev`` (CPU initialisation of a Kimi-sized
+    drafter and its 163,840-row embedding would take longer than the measurement)."""
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3_ray.drafter.ttt import ttt_forward
 
-    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     cfg = DrafterConfig(
         hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
         intermediate_size=a.intermediate, vocab_size=a.vocab, draft_vocab_size=a.draft_vocab,
         target_hidden_size=a.hidden, aux_layers=[2, 16, 29], max_position_embeddings=max(4096, a.seq + 16),
     )
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg)
-    drafter.bind_embedding(torch.randn(a.vocab, a.hidden) * 0.02)
-    drafter = drafter.to(device=dev, dtype=dtype)
-    lm_head = (torch.randn(a.vocab, a.hidden) * 0.02).to(device=dev, dtype=dtype)
+    with torch.device(dev):
+        drafter = Eagle3Drafter(cfg)
+        drafter.bind_embedding(torch.randn(a.vocab, a.hidden, dtype=dtype) * 0.02)
+        lm_head = torch.randn(a.vocab, a.hidden, dtype=dtype) * 0.02
+    return drafter.to(dtype=dtype), lm_head
+
+
+def _train_settings(a) -> dict:
+    """The `train` section the DeepSpeed config is built from: the config's defaults, this ZeRO stage."""
+    from eagle3_ray.config import TrainConfig
+
+    return TrainConfig(zero_stage=a.zero_stage, ttt_steps=a.ttt_steps).model_dump()
+
+
+def make_engine(a, drafter: torch.nn.Module, dev: torch.device):
+    """The engine the step runs over: `TorchEngine` + `adamw` (the weights as built), or DeepSpeed's
+    engine from the training loop's `_ds_config` (bf16 on CUDA, fp32 + gloo on CPU), one rank."""
+    from eagle3_ray.train.step import TorchEngine, adamw
+
+    t = _train_settings(a)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if a.engine == "torch":
+        return TorchEngine(drafter, adamw(params, lr=t["lr"], weight_decay=t["weight_decay"]),
+                           grad_clip=t["grad_clip"])
+    import deepspeed
+
+    from eagle3_ray.train.loop import _ds_config, _without_shm_comm_op
+
+    cuda = dev.type == "cuda"
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        os.environ.setdefault(k, v)
+    if not cuda:
+        _without_shm_comm_op()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, config=_ds_config(t, cuda))
+    return engine
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def count_syncs(fn) -> int | None:
+    """Host synchronisations while ``fn()`` runs (CUDA's sync debug mode warns at each one)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from eagle3_ray.train.step import StepConfig, TrainStep
+
+    dev = torch.device(a.device)
+    # DeepSpeed keeps fp32 master weights and casts the module to bf16 itself (train/loop.py builds
+    # the drafter in fp32); the torch engine trains the weights in --dtype.
+    weights = torch.float32 if a.engine == "deepspeed" else getattr(torch, a.dtype)
+    hidden_dtype = torch.bfloat16 if (a.engine == "deepspeed" and dev.type == "cuda") else getattr(torch, a.dtype)
+    drafter, lm_head = build_drafter(a, dev, weights)
+    lm_head = lm_head.to(hidden_dtype)
     if a.compile:
         drafter.midlayer = torch.compile(drafter.midlayer, dynamic=True)
         drafter.norm = torch.compile(drafter.norm, dynamic=True)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
+    engine = make_engine(a, drafter, dev)
     seq = a.seq
     batch = {
         "input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
-        "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=dtype),
-        "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=dtype),
+        "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
+        "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
         "loss_mask": torch.ones(1, seq, dtype=torch.bool, device=dev),
         "position_ids": torch.arange(seq, device=dev)[None],
         "seq_ids": torch.zeros(1, seq, dtype=torch.long, device=dev),
@@ -124,26 +211,20 @@ def main(argv=None) -> int:
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     flops = step_flops(a, seq)
+    check = None
     if a.check:
-        check = _check_flex(drafter, lm_head, a, dev, dtype)
+        check = _check_flex(engine.module, lm_head, a, dev, hidden_dtype)
         print(f"check sdpa vs flex: {json.dumps(check)}", flush=True)
 
     def time_mode(attention: str) -> dict:
-        def step():
-            out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention))
         for _ in range(a.warmup):
-            step()
+            step(batch)
         sync()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        syncs = count_syncs(lambda: step(batch)) if a.sync_check else None
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            step()
+            step(batch)
         sync()
         seconds = (time.perf_counter() - t0) / a.steps
         r = {
@@ -151,18 +232,20 @@ def main(argv=None) -> int:
             "tokens_per_s": seq / seconds,
             "achieved_tflops": flops / seconds / 1e12,
             "mfu": (flops / seconds / 1e12) / a.peak_tflops if a.peak_tflops else None,
+            # everything the step holds: weights, optimizer state (and master weights), activations
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+            "host_syncs_per_step": syncs,
         }
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
-        print(f"[{attention}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
-              f"peak {r['peak_memory_gib'] or 0:.1f} GiB", flush=True)
+        print(f"[{a.engine} {attention}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
+              f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}", flush=True)
         return r
 
     modes: dict[str, dict] = {}
     for m in a.attention.split(","):
         modes[m] = time_mode(m)
-        _write(a.json, _result(a, dev, flops, modes, check if a.check else None))  # partial results survive a timeout
-    print(json.dumps(_result(a, dev, flops, modes, check if a.check else None), indent=2))
+        _write(a.json, _result(a, dev, flops, modes, check))  # partial results survive a timeout
+    print(json.dumps(_result(a, dev, flops, modes, check), indent=2))
     return 0
 
 
@@ -180,6 +263,8 @@ def _result(a, dev, flops: float, modes: dict, check: dict | None) -> dict:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "dtype": a.dtype,
         "compile": a.compile,
+        "engine": a.engine,
+        "zero_stage": a.zero_stage if a.engine == "deepspeed" else None,
         "model_tflops_per_step": flops / 1e12,
         "modes": modes,
         "check": check,
