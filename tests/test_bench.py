@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from eagle3_ray.bench.audit import TIE_ULPS, audit_turn, first_difference, ulp
 from eagle3_ray.bench.prompts import load_prompt_sets
 from eagle3_ray.bench.report import (
     ACCEPT_PLOT,
@@ -14,14 +15,23 @@ from eagle3_ray.bench.report import (
     TAU_PLOT,
     THROUGHPUT_PLOT,
     TRAINING_PLOT,
+    headline,
     read_train_metrics,
     write_report,
 )
-from eagle3_ray.bench.runner import PARTIAL_DIR, RESULTS_NAME, BenchActor, run_bench, sglang_to_results, summarize
-from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
+from eagle3_ray.bench.runner import (
+    PARTIAL_DIR,
+    RESULTS_NAME,
+    BenchActor,
+    results_body,
+    run_bench,
+    sglang_to_results,
+    summarize,
+)
+from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig
 from eagle3_ray.errors import DataError
 
-TINY_TARGET = {"model": "random:builtin:tiny-llama", "device": "cpu", "dtype": "float32"}
+TINY_TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
 TINY_BENCH = {"max_new_tokens": 6, "num_steps": 3, "topk": 2, "depth": 3, "total_tokens": 6}
 PNGS = (TAU_PLOT, ACCEPT_PLOT, THROUGHPUT_PLOT)
 
@@ -72,10 +82,11 @@ def test_bad_record_names_file_and_line(tmp_path, bad, message):
 # --- aggregation -------------------------------------------------------------------------------------
 
 
-def _rec(pid, new_tokens, seconds, tau=None, steps=None, accept=(), identical=True):
+def _rec(pid, new_tokens, seconds, tau=None, steps=None, accept=(), identical=True, parts=None, divergence=None):
     stats = {"new_tokens": new_tokens, "seconds": seconds, "tau": tau, "verify_steps": steps,
-             "accept_by_position": list(accept), "tokens_per_s": new_tokens / seconds}
-    return {"prompt_id": pid, "turn": 0, "prompt_tokens": 10, "identical": identical, "stats": stats}
+             "accept_by_position": list(accept), "tokens_per_s": new_tokens / seconds, "parts": parts or {}}
+    return {"prompt_id": pid, "turn": 0, "prompt_tokens": 10, "identical": identical, "divergence": divergence,
+            "stats": stats}
 
 
 def test_summarize_weights_turns_by_tokens_and_verify_steps():
@@ -97,6 +108,58 @@ def test_summarize_weights_turns_by_tokens_and_verify_steps():
     assert r["modes"]["chain"]["identical_to_baseline"] == pytest.approx(2 / 3)
     assert r["num_prompts"] == 3 and r["num_turns"] == 3
     assert r["prompt_lookup"] is None and r["untrained"] is None
+
+
+def test_parts_per_cycle_divergences_and_summary_keys():
+    explained = {"position": 3, "gap": 0.0, "explained": True}
+    bug = {"position": 5, "gap": 4.0, "explained": False}
+    per_cat = {"a": {
+        "baseline": [_rec("1", 10, 1.0, steps=9, parts={"prefill": 0.1, "verify": 0.8, "accept": 0.1})],
+        "chain": [_rec("1", 10, 0.5, tau=2.0, steps=4, identical=False, divergence=explained,
+                       parts={"prefill": 0.1, "draft": 0.2, "verify": 0.12, "accept": 0.04, "commit": 0.04})],
+        "tree": [_rec("1", 10, 2.0, tau=2.0, steps=4, identical=False, divergence=bug)],
+    }}
+    graphed = {"device": "cuda:0", "dtype": "bfloat16", "graphed_baseline": True, "draft_graphs": True}
+    r = results_body(per_cat, BenchConfig(), graphed, sglang_plain_tokens_per_s=40.0)
+    assert r["modes"]["chain"]["ms_per_cycle"] == pytest.approx(
+        {"prefill": 100.0, "draft": 50.0, "verify": 30.0, "accept": 10.0, "commit": 10.0})
+    assert r["baseline"]["ms_per_cycle"]["verify"] == pytest.approx(800 / 9)
+    summary = r["summary"]
+    assert summary["spec_vs_graphed_chain"] == pytest.approx(2.0)
+    assert summary["spec_vs_graphed_tree"] == pytest.approx(0.5)
+    assert summary["spec_vs_sglang_plain"] == pytest.approx({"chain": 0.5, "tree": 0.125})
+    assert summary["bf16_divergent_turns"] == 2 and summary["bf16_unexplained_divergences"] == 1
+    assert "bfloat16" in summary["divergence_bound"]
+    assert [(d["kind"], d["position"]) for d in r["divergences"]] == [("chain", 3), ("tree", 5)]
+    # Not graphed (CPU), no SGLang figure, sampling: those keys are null, not a number.
+    cpu = results_body(per_cat, BenchConfig(temperature=0.7), {"device": "cpu", "dtype": "float32"})["summary"]
+    assert cpu["spec_vs_graphed_chain"] is None and cpu["spec_vs_sglang_plain"] is None
+    assert cpu["bf16_divergent_turns"] is None and cpu["bf16_unexplained_divergences"] is None
+
+
+def test_rounding_bound_and_first_difference():
+    assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(-20.0, torch.bfloat16) == 0.125
+    assert ulp(1.0, torch.bfloat16) == 2.0**-7 and ulp(1.0, torch.float32) == 2.0**-23
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2  # stopped early (EOS) counts as a difference
+    top2 = [(30.0, 20.0), (20.0, 20.0 - TIE_ULPS * 0.125), (20.0, 19.0)]
+    assert audit_turn([4, 5, 6], [4, 5, 6], top2, torch.bfloat16) is None
+    tie = audit_turn([4, 5, 6], [4, 7, 6], top2, torch.bfloat16)
+    assert tie["position"] == 1 and tie["gap_ulps"] == pytest.approx(TIE_ULPS) and tie["explained"] is True
+    bug = audit_turn([4, 5, 6], [4, 5, 9], top2, torch.bfloat16)
+    assert bug["gap_ulps"] == pytest.approx(8.0) and bug["explained"] is False
+    assert audit_turn([4, 5, 6], [4, 7, 6], top2, torch.float32)["explained"] is False  # fp32: far tighter
+
+
+def test_headline_states_a_slowdown_first():
+    results = {"tau": {"chain": 1.2, "tree": 1.5}, "speedup": {"chain": 0.5, "tree": 1.25}, "device": "cpu"}
+    text = headline(results)
+    assert text.startswith("**Slower than plain decoding on `cpu`: chain 0.50x (2.0x slower)")
+    assert text.index("Slower") < text.index("Faster: tree 1.25x")
+    results["speedup"] = {"chain": 1.5, "tree": 2.0}
+    assert headline({**results, "graphed_baseline": True}).startswith(
+        "**Faster than CUDA-graphed plain decoding on `cpu`: chain 1.50x, tree 2.00x**")
 
 
 def test_sglang_run_in_the_results_layout(tmp_path):
@@ -140,7 +203,7 @@ def drafter_dir(tmp_path_factory):
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
     from eagle3_ray.engines.targets import load_target
 
-    target = load_target(TargetConfig(**TINY_TARGET))
+    target = load_target(TINY_TARGET)
     layers = target.model.config.num_hidden_layers
     cfg = DrafterConfig.from_target(target.model.config, draft_vocab_size=2048, aux_layers=[2, layers // 2, layers - 3])
     torch.manual_seed(1)
@@ -182,11 +245,17 @@ def _check_results(r, modes, untrained, lookup=True):
 
 
 def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
-    bench = config_to_dict(PipelineConfig(bench=BenchConfig(**TINY_BENCH)))["bench"]
+    bench = BenchConfig(**TINY_BENCH)
     actor = BenchActor(TINY_TARGET, drafter_dir, compare_untrained=True)
     results = actor.run(load_prompt_sets(prompt_file), bench)
     _check_results(results, ["chain", "tree"], untrained=True)
     assert results["drafter"] == drafter_dir and results["device"].startswith("cpu")
+    summary = results["summary"]
+    assert summary["spec_vs_graphed_chain"] is None and summary["graphed_baseline"] is False  # CPU: not graphed
+    assert summary["bf16_divergent_turns"] == 0 and summary["bf16_unexplained_divergences"] == 0
+    for kind in ("baseline", "chain", "tree"):
+        ms = results["modes"][kind]["ms_per_cycle"] if kind != "baseline" else results["baseline"]["ms_per_cycle"]
+        assert ms["verify"] > 0 and ms["prefill"] > 0 and (kind == "baseline" or ms["draft"] > 0)
     json.dumps(results)  # results.json must hold plain JSON values only
 
     report = write_report(results, tmp_path / "report")
@@ -196,11 +265,29 @@ def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
         assert (tmp_path / "report" / png).stat().st_size > 0 and f"({png})" in text
     assert not (tmp_path / "report" / TRAINING_PLOT).exists()
     assert "Trained vs untrained" in text and "| writing |" in text
+    assert "## Where the time goes" in text and "0 turns of the speculative modes differ" in text
+    assert text.splitlines()[2].startswith(("**Slower than plain decoding", "**Faster than plain decoding"))
+
+
+def test_the_audit_of_a_differing_turn(drafter_dir):
+    """The actor's audit on the real tiny target (fp32): a turn that differs where the baseline's
+    top-2 gap is far over fp32 rounding is reported as unexplained, at the right position."""
+    actor = BenchActor(TINY_TARGET, drafter_dir)
+    bench = BenchConfig(**TINY_BENCH)
+    ids = actor._render([{"role": "user", "content": "Write a haiku."}])
+    base = actor._runners(bench)["baseline"](ids, bench.max_new_tokens)[0]
+    wrong = base[:2] + [(base[2] + 1) % 100] + base[3:]
+    latest = {"baseline": {}, "chain": {}, "tree": {}}
+    actor._audit(ids, {"baseline": base, "chain": wrong, "tree": base}, latest, bench)
+    audit = latest["chain"]["divergence"]
+    assert audit["position"] == 2 and audit["baseline_token"] == base[2] and audit["token"] == wrong[2]
+    assert audit["replay_identical"] is True and audit["gap"] >= 0 and audit["explained"] is False
+    assert "divergence" not in latest["tree"]
 
 
 def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_file, tmp_path):
     bench = BenchConfig(**TINY_BENCH, modes=["chain"], prompt_lookup=False)
-    cfg = PipelineConfig(target=TargetConfig(**TINY_TARGET), bench=bench)
+    cfg = PipelineConfig(target=TINY_TARGET, bench=bench)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0 / s, "acc_0": 0.1 * s, "tau": 1 + 0.1 * s})
                                + "\n" for s in (1, 2, 3)))

@@ -32,6 +32,8 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
     sections = [
         _header(results),
         _summary_section(results),
+        _parts_section(results),
+        _divergence_section(results),
         _category_section(results),
         _acceptance_section(results),
         _untrained_section(results),
@@ -114,11 +116,34 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # --- sections ---------------------------------------------------------------------------------------
 
 
+def headline(results: dict[str, Any]) -> str:
+    """One sentence on speed: the modes slower than plain decoding first, said as such."""
+    speedups = {k: (results.get("speedup") or {}).get(k) for k in results.get("tau", {})}
+    slower = [(k, v) for k, v in speedups.items() if v is not None and v < 1.0]
+    faster = [(k, v) for k, v in speedups.items() if v is not None and v >= 1.0]
+    where = f"on `{results.get('device')}`"
+    base = "CUDA-graphed plain decoding" if results.get("graphed_baseline") else "plain decoding"
+    parts = []
+    if slower:
+        parts.append("**Slower than " + base + f" {where}: " +
+                     ", ".join(f"{k} {v:.2f}x ({1 / v:.1f}x slower)" for k, v in sorted(slower, key=lambda x: x[1]))
+                     + "**")
+    if faster:
+        parts.append(("Faster: " if slower else f"**Faster than {base} {where}: ") +
+                     ", ".join(f"{k} {v:.2f}x" for k, v in sorted(faster, key=lambda x: x[1]))
+                     + ("" if slower else "**"))
+    if not parts:
+        return "No speed figure (nothing was decoded)."
+    return ". ".join(parts) + " (tokens/s over plain decoding of the same turns)."
+
+
 def _header(results: dict[str, Any]) -> str:
     cfg = results.get("config") or {}
     b = cfg.get("bench") or {}
     lines = [
         "# EAGLE-3 speculative decoding benchmark",
+        "",
+        headline(results),
         "",
         f"- target: `{results.get('target')}` on `{results.get('device')}`",
         f"- drafter: `{results.get('drafter')}`",
@@ -127,6 +152,9 @@ def _header(results: dict[str, Any]) -> str:
     ]
     if b:
         lines.append(f"- max_new_tokens {b.get('max_new_tokens')}, temperature {b.get('temperature')}")
+    if "graphed_baseline" in results:
+        lines.append(f"- {results.get('dtype', '?')}; baseline {'CUDA-graphed' if results['graphed_baseline'] else 'eager'}"
+                     f", drafter {'CUDA-graphed (static cache)' if results.get('draft_graphs') else 'eager'}")
     lines += [
         "",
         "tau = tokens per target verify forward, counting the bonus token (1 = no draft accepted). "
@@ -151,6 +179,46 @@ def _summary_section(results: dict[str, Any]) -> str:
         ])
     table = _table(["mode", "tau", "tokens/s", "speedup", "output = baseline"], rows)
     return f"## Summary\n\n{table}\n\n![throughput]({THROUGHPUT_PLOT})"
+
+
+def _parts_section(results: dict[str, Any]) -> str:
+    kinds = [k for k in ["baseline", *_kinds(results)] if _entry(results, k).get("ms_per_cycle")]
+    if not kinds:
+        return ""
+    cols = ["draft", "verify", "accept", "commit"]
+    rows = []
+    for kind in kinds:
+        ms = _entry(results, kind)["ms_per_cycle"]
+        cycle = sum(ms.get(c, 0.0) for c in cols)
+        rows.append([_label(results, kind), *[_num(ms.get(c), "{:.2f}") for c in cols], _num(cycle, "{:.2f}"),
+                     _num(ms.get("prefill"), "{:.1f}")])
+    intro = ("Milliseconds per verify cycle (baseline: per decoded token) by part: draft, the target's verify "
+             "forward, acceptance and bookkeeping, the drafter's commit of the accepted states; and the "
+             "prefill per turn. On CUDA measured with CUDA events at the part boundaries.")
+    table = _table(["mode", "draft", "verify", "accept", "commit", "cycle", "prefill / turn"], rows)
+    return f"## Where the time goes\n\n{intro}\n\n{table}"
+
+
+def _divergence_section(results: dict[str, Any]) -> str:
+    summary = results.get("summary") or {}
+    items = results.get("divergences") or []
+    if summary.get("bf16_divergent_turns") is None and not items:
+        return ""
+    lines = [
+        "## Divergence from plain greedy decoding",
+        "",
+        f"{summary.get('bf16_divergent_turns')} turns of the speculative modes differ from the baseline; "
+        f"{summary.get('bf16_unexplained_divergences')} are not explained by rounding "
+        f"(bound: {summary.get('divergence_bound')}). A divergence inside the bound is a near-tie that the "
+        "verify forward and the one-token decode round differently; one outside it is a bug.",
+    ]
+    if items:
+        rows = [[d["kind"], d["category"], f"{d['prompt_id']}/{d['turn']}", str(d.get("position")),
+                 _num(d.get("gap"), "{:.4g}"), _num(d.get("gap_ulps"), "{:.1f}"),
+                 {True: "yes", False: "**no**", None: "–"}[d.get("explained")]] for d in items]
+        lines += ["", _table(["mode", "category", "prompt/turn", "first diff", "top-2 gap", "gap (ulp)",
+                              "rounding"], rows)]
+    return "\n".join(lines)
 
 
 def _category_section(results: dict[str, Any]) -> str:

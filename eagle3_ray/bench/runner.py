@@ -4,7 +4,9 @@ Per turn of every prompt, on the same prompt tokens and in the same process: pla
 (the baseline), each speculative mode of ``bench.modes`` (chain, tree), prompt lookup (a
 drafter-free peer) and, on request, chain mode with an untrained drafter. Multi-turn prompts carry
 the baseline's answer into the next turn, so every mode sees exactly the same prompts even when
-sampling. ``docs/bench.md`` defines what is measured.
+sampling. At temperature 0 every turn that differs from the baseline is audited
+(``bench.audit``: first differing position, the baseline's top-2 logit gap there, whether rounding
+explains it). ``docs/bench.md`` defines what is measured.
 
 ``BenchActor`` is a plain class (in-process in tests); ``run_bench`` runs it as a Ray actor, writes
 each category's raw per-turn stats to ``<out>/partial/`` as it completes (a rerun computes only the
@@ -22,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from eagle3_ray.atomic import write_json
+from eagle3_ray.bench.audit import audit_turn, bound_text
 from eagle3_ray.bench.prompts import Prompt, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
@@ -30,11 +33,13 @@ from eagle3_ray.progress import say
 DEFAULT_PROMPTS = "builtin:demo_eval"
 RESULTS_NAME = "results.json"
 PARTIAL_DIR = "partial"
-PARTIAL_FORMAT = 1
+PARTIAL_FORMAT = 2  # 2: per-part timings and the divergence audit in the records
 WARMUP_TOKENS = 16  # enough to run every code path (prefill, drafting, verify) once
 UNTRAINED_SEED = 0
 SAMPLING_SEED = 0
 PROMPT_LOOKUP_TOKENS = 10  # transformers' usual prompt_lookup_num_tokens
+SPEC_KINDS = ("chain", "tree", "untrained")  # decoded by spec.generate; counted in the summary's divergences
+PARTS = ("prefill", "draft", "verify", "accept", "commit")  # spec.stats: SpecStats.parts
 
 # Runner: (prompt ids [T], max_new_tokens) -> (new token ids, stats dict)
 Runner = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
@@ -43,69 +48,96 @@ Runner = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
 class BenchActor:
     """Target + drafter loaded once; decodes prompt sets in every benchmark mode. No Ray in here."""
 
-    def __init__(self, target_cfg: dict[str, Any], drafter_dir: str, compare_untrained: bool = False):
+    def __init__(self, target_cfg: TargetConfig, drafter_dir: str, compare_untrained: bool = False):
         from eagle3_ray.drafter import load_drafter
         from eagle3_ray.engines.targets import load_target
         from eagle3_ray.spec import prepare_drafter
 
-        self.target = load_target(TargetConfig.model_validate(target_cfg))
+        target_cfg = TargetConfig.model_validate(target_cfg)  # the section as is; a dict (notebooks) is validated
+        self.target = load_target(target_cfg)
         model = self.target.model
         # On the target's device and dtype, sharing (not copying) its input embedding.
         self.drafter = prepare_drafter(load_drafter(drafter_dir), model)
         self.untrained = _untrained_like(self.drafter, model) if compare_untrained else None
-        self.info = {"device": _device_name(self.target.device), "target": target_cfg["model"], "drafter": drafter_dir}
+        self.info: dict[str, Any] = {"device": _device_name(self.target.device), "target": target_cfg.model,
+                                     "drafter": drafter_dir, "dtype": str(self.target.dtype).removeprefix("torch."),
+                                     "graphed_baseline": False, "draft_graphs": False}
         self._static = None  # the StaticTarget (CUDA), built on first use
 
     def _decoding_target(self, b: BenchConfig):
-        """The model, or on CUDA with ``bench.cuda_graphs`` one StaticTarget shared by every mode."""
+        """The model, or on CUDA with ``bench.cuda_graphs`` one StaticTarget shared by every mode
+        (drafting through its graphed StaticProposer when ``bench.draft_graphs``)."""
         if not (b.cuda_graphs and self.target.device.type == "cuda"):
+            self.info.update(graphed_baseline=False, draft_graphs=False)
             return self.target.model
         if self._static is None or self._static.max_length != b.max_length:
             from eagle3_ray.spec import StaticTarget
 
             self._static = StaticTarget(self.target.model, self.drafter.config.aux_layers, max_length=b.max_length)
             self.info["static_target"] = f"CUDA graphs, max_length {b.max_length}"
+        self._static.draft_graphs = b.draft_graphs
+        self.info.update(graphed_baseline=True, draft_graphs=b.draft_graphs)
         return self._static
 
-    def describe(self) -> dict[str, str]:
+    def describe(self) -> dict[str, Any]:
         return dict(self.info)
 
-    def warmup(self, prompt: Prompt, bench: dict[str, Any]) -> None:
-        """One short decode per mode: first-call costs (allocator, kernels, caches) stay out of the timings."""
-        b = BenchConfig.model_validate(bench)
+    def warmup(self, prompt: Prompt, bench: BenchConfig) -> None:
+        """One short decode per mode: first-call costs (allocator, kernels, caches, graph captures)
+        stay out of the timings."""
+        bench = BenchConfig.model_validate(bench)
         ids = self._render([{"role": "user", "content": prompt.turns[0]}])
-        for run in self._runners(b).values():
-            run(ids, min(WARMUP_TOKENS, b.max_new_tokens))
+        for run in self._runners(bench).values():
+            run(ids, min(WARMUP_TOKENS, bench.max_new_tokens))
 
-    def run_category(self, prompts: list[Prompt], bench: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-        """Raw per-turn records of every mode: ``{kind: [{prompt_id, turn, prompt_tokens, stats, ...}]}``."""
-        b = BenchConfig.model_validate(bench)
-        runners = self._runners(b)
+    def run_category(self, prompts: list[Prompt], bench: BenchConfig) -> dict[str, list[dict[str, Any]]]:
+        """Raw per-turn records of every mode: ``{kind: [{prompt_id, turn, prompt_tokens, identical,
+        divergence, stats}]}``; ``divergence`` is the audit of a differing greedy turn (else None)."""
+        bench = BenchConfig.model_validate(bench)
+        runners = self._runners(bench)
         records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in runners}
         for prompt in prompts:
             messages: list[dict[str, str]] = []
             for turn, text in enumerate(prompt.turns):
                 messages.append({"role": "user", "content": text})
                 ids = self._render(messages)
-                answer: list[int] = []
+                outputs: dict[str, list[int]] = {}
                 for kind, run in runners.items():  # baseline first: its answer is the reference
-                    tokens, stats = run(ids, b.max_new_tokens)
-                    if kind == "baseline":
-                        answer = tokens
+                    tokens, stats = run(ids, bench.max_new_tokens)
+                    outputs[kind] = tokens
                     records[kind].append(
                         {"prompt_id": prompt.id, "turn": turn, "prompt_tokens": len(ids),
-                         "identical": tokens == answer, "stats": stats}
+                         "identical": tokens == outputs["baseline"], "divergence": None, "stats": stats}
                     )
-                reply = self.target.tokenizer.decode(answer, skip_special_tokens=True)
+                if bench.temperature == 0:
+                    self._audit(ids, outputs, {kind: recs[-1] for kind, recs in records.items()}, bench)
+                reply = self.target.tokenizer.decode(outputs["baseline"], skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": reply})
         return records
 
-    def run(self, prompt_sets: dict[str, list[Prompt]], bench: dict[str, Any]) -> dict[str, Any]:
+    def _audit(self, ids: list[int], outputs: dict[str, list[int]], latest: dict[str, dict[str, Any]],
+               bench: BenchConfig) -> None:
+        """Audit this turn's greedy outputs that differ from the baseline's (after every timed run)."""
+        if all(tokens == outputs["baseline"] for tokens in outputs.values()):
+            return
+        from eagle3_ray import spec
+
+        prompt = torch.tensor(ids, device=self.target.device)
+        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens)
+        for kind, tokens in outputs.items():
+            if tokens != outputs["baseline"]:
+                audit = audit_turn(outputs["baseline"], tokens, top2, self.target.dtype)
+                audit["replay_identical"] = replay == outputs["baseline"]  # the untimed replay = the baseline
+                latest[kind]["divergence"] = audit
+
+    def run(self, prompt_sets: dict[str, list[Prompt]], bench: BenchConfig,
+            sglang_plain_tokens_per_s: float | None = None) -> dict[str, Any]:
         """Warm up, decode every category, aggregate (no files written)."""
+        bench = BenchConfig.model_validate(bench)
         first = next(p for prompts in prompt_sets.values() for p in prompts)
         self.warmup(first, bench)
         records = {cat: self.run_category(prompts, bench) for cat, prompts in prompt_sets.items()}
-        return {**summarize(records, bench["modes"]), **self.describe()}
+        return results_body(records, bench, self.describe(), sglang_plain_tokens_per_s)
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         from eagle3_ray.data.chat import render_generation_prompt
@@ -165,13 +197,20 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``tau`` weights each turn by its verify steps (Σ τ·steps / Σ steps, i.e. tokens per target
     verify forward); ``tokens_per_s`` is total new tokens over total decode seconds, so long answers
-    count by their length rather than as one sample each.
+    count by their length rather than as one sample each. ``ms_per_cycle``: milliseconds per
+    verify cycle of each part of ``SpecStats.parts`` (the prefill per turn instead).
     """
     stats = [r["stats"] for r in records]
     new_tokens = sum(s["new_tokens"] for s in stats)
     seconds = sum(s["seconds"] for s in stats)
     verified = [s for s in stats if s.get("tau") is not None and s.get("verify_steps")]
     steps = sum(s["verify_steps"] for s in verified)
+    parts = {p: sum((s.get("parts") or {}).get(p, 0.0) for s in stats) for p in PARTS}
+    parts = {p: v for p, v in parts.items() if any(p in (s.get("parts") or {}) for s in stats)}
+    cycles = sum(s.get("verify_steps") or 0 for s in stats)
+    ms_per_cycle = {p: 1000 * v / (len(stats) if p == "prefill" else cycles) for p, v in parts.items()
+                    if (len(stats) if p == "prefill" else cycles)}
+    divergent = [r for r in records if not r["identical"]]
     return {
         "tau": sum(s["tau"] * s["verify_steps"] for s in verified) / steps if steps else None,
         "accept_by_position": _mean_positions(verified),
@@ -181,6 +220,11 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         "seconds": seconds,
         "turns": len(records),
         "identical_to_baseline": sum(r["identical"] for r in records) / len(records) if records else None,
+        "parts_seconds": parts,
+        "ms_per_cycle": ms_per_cycle,
+        "divergent_turns": len(divergent),
+        # audited and not explained by rounding, or not audited (sampling, or an older record)
+        "unexplained_divergences": sum((r.get("divergence") or {}).get("explained") is not True for r in divergent),
     }
 
 
@@ -199,6 +243,50 @@ def _with_speedup(agg: dict[str, Any], baseline_tps: float | None) -> dict[str, 
     tps = agg["tokens_per_s"]
     agg["speedup"] = tps / baseline_tps if tps and baseline_tps else None
     return agg
+
+
+def results_body(
+    per_category: dict[str, dict[str, list[dict[str, Any]]]],
+    bench: BenchConfig,
+    info: dict[str, Any],
+    sglang_plain_tokens_per_s: float | None = None,
+) -> dict[str, Any]:
+    """results.json's body: ``summarize`` + where it ran + the ``summary`` keys + the audit list."""
+    results = {**summarize(per_category, bench.modes), **info}
+    results["divergences"] = [
+        {"category": cat, "kind": kind, "prompt_id": r["prompt_id"], "turn": r["turn"], **(r["divergence"] or {})}
+        for cat, kinds in per_category.items() for kind, recs in kinds.items() for r in recs if not r["identical"]
+    ]
+    results["summary"] = summary_keys(results, greedy=bench.temperature == 0,
+                                      sglang_plain_tokens_per_s=sglang_plain_tokens_per_s)
+    return results
+
+
+def summary_keys(results: dict[str, Any], greedy: bool, sglang_plain_tokens_per_s: float | None) -> dict[str, Any]:
+    """The headline figures. ``spec_vs_graphed_<mode>``: tokens/s over the CUDA-graphed plain
+    decoding of the same turns (None when the baseline was not graphed, e.g. on CPU).
+    ``spec_vs_sglang_plain``: {mode: tokens/s over the given SGLang plain tokens/s} or None.
+    ``bf16_divergent_turns`` / ``bf16_unexplained_divergences``: turns of the speculative kinds
+    (chain, tree, untrained) that differ from the baseline, and those whose baseline top-2 gap is
+    over the rounding bound of the target dtype (``bench.audit``; None when sampling)."""
+    graphed = bool(results.get("graphed_baseline"))
+    kinds = {**(results.get("modes") or {}), "untrained": results.get("untrained")}
+    entries = [kinds[k] for k in SPEC_KINDS if kinds.get(k)]
+    dtype = getattr(torch, str(results.get("dtype") or "float32"))
+    return {
+        "spec_vs_graphed_chain": results["speedup"].get("chain") if graphed else None,
+        "spec_vs_graphed_tree": results["speedup"].get("tree") if graphed else None,
+        "spec_vs_sglang_plain": (
+            {m: results["tokens_per_s"][m] / sglang_plain_tokens_per_s for m in results["tokens_per_s"]
+             if results["tokens_per_s"][m]} if sglang_plain_tokens_per_s else None
+        ),
+        "sglang_plain_tokens_per_s": sglang_plain_tokens_per_s,
+        "bf16_divergent_turns": sum(e["divergent_turns"] for e in entries) if greedy else None,
+        "bf16_unexplained_divergences": sum(e["unexplained_divergences"] for e in entries) if greedy else None,
+        "divergence_bound": bound_text(dtype),
+        "draft_graphs": results.get("draft_graphs"),
+        "graphed_baseline": graphed,
+    }
 
 
 def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: list[str]) -> dict[str, Any]:
@@ -242,11 +330,14 @@ def run_bench(
     out: str | Path,
     compare_untrained: bool = False,
     train_metrics: str | Path | None = None,
+    sglang_plain_tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
     """Benchmark ``drafter`` (an exported dir) on the target of ``cfg``; writes results.json + report.
 
     Prompts: ``prompts``, else ``cfg.bench.prompts``, else the shipped ``builtin:demo_eval``.
     ``train_metrics``: the training ``metrics.jsonl``, summarised and plotted in the report.
+    ``sglang_plain_tokens_per_s``: SGLang's plain decoding on the same turns, measured elsewhere;
+    the summary then states the modes' ratio to it.
     """
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +347,7 @@ def run_bench(
     if cfg.target.backend == "sglang":
         results = _sglang_results(cfg, drafter_dir, sets)
     else:
-        results = _hf_results(cfg, drafter_dir, sets, out_dir, compare_untrained)
+        results = _hf_results(cfg, drafter_dir, sets, out_dir, compare_untrained, sglang_plain_tokens_per_s)
     resolved = config_to_dict(cfg)
     results["config"] = {"bench": resolved["bench"], "target": resolved["target"], "prompts": source}
     _write_json(out_dir / RESULTS_NAME, results)
@@ -265,9 +356,9 @@ def run_bench(
 
 
 def _hf_results(
-    cfg: PipelineConfig, drafter_dir: str, sets: dict[str, list[Prompt]], out: Path, compare_untrained: bool
+    cfg: PipelineConfig, drafter_dir: str, sets: dict[str, list[Prompt]], out: Path, compare_untrained: bool,
+    sglang_plain_tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
-    bench = config_to_dict(cfg)["bench"]
     partial_dir = out / PARTIAL_DIR
     keys = {cat: _partial_key(cfg, drafter_dir, compare_untrained, prompts) for cat, prompts in sets.items()}
     done = {cat: p for cat in sets if (p := _read_partial(partial_dir, cat, keys[cat])) is not None}
@@ -276,7 +367,7 @@ def _hf_results(
         say(f"[bench] {len(done)} categories already measured, {len(missing)} to run: {missing}")
         done.update(_measure(cfg, drafter_dir, sets, missing, compare_untrained, partial_dir, keys))
     info = next(iter(done.values()))["info"]
-    return {**summarize({cat: done[cat]["records"] for cat in sets}, bench["modes"]), **info}
+    return results_body({cat: done[cat]["records"] for cat in sets}, cfg.bench, info, sglang_plain_tokens_per_s)
 
 
 def _measure(
@@ -291,16 +382,15 @@ def _measure(
     """Run the missing categories on one actor, saving each as soon as it completes."""
     from eagle3_ray.ray_session import init_ray
 
-    bench = config_to_dict(cfg)["bench"]
     ray = init_ray(cfg.ray)
     actor_cls = ray.remote(num_gpus=cfg.bench.num_gpus, num_cpus=cfg.bench.num_cpus)(BenchActor)
-    actor = actor_cls.remote(config_to_dict(cfg)["target"], drafter_dir, compare_untrained)
+    actor = actor_cls.remote(cfg.target, drafter_dir, compare_untrained)  # typed sections pickle across Ray
     try:
-        info = ray.get(actor.describe.remote())
-        ray.get(actor.warmup.remote(sets[missing[0]][0], bench))
+        ray.get(actor.warmup.remote(sets[missing[0]][0], cfg.bench))
+        info = ray.get(actor.describe.remote())  # after the warm-up: it names the decoding machinery
         done = {}
         for cat in missing:
-            records = ray.get(actor.run_category.remote(sets[cat], bench))
+            records = ray.get(actor.run_category.remote(sets[cat], cfg.bench))
             done[cat] = {"format": PARTIAL_FORMAT, "key": keys[cat], "category": cat, "info": info, "records": records}
             _write_json(_partial_path(partial_dir, cat), done[cat])
             say(f"[bench] {cat}: {len(sets[cat])} prompts measured")
