@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray import atomic
+from eagle3_ray.drafter.export import CHECKPOINT_WEIGHTS, export_drafter
 from eagle3_ray.errors import CheckpointError, require_dir
 from eagle3_ray.progress import say
 
@@ -138,8 +139,6 @@ def incomplete_reason(ckpt: Path) -> str | None:
     appear one by one: a job killed mid-copy leaves a readable train_state.json next to truncated
     DeepSpeed pickles (zip archives without their end record) or missing rank files.
     """
-    from eagle3_ray.drafter.export import CHECKPOINT_WEIGHTS
-
     ckpt = Path(ckpt)
     try:
         state = read_train_state(ckpt)
@@ -182,6 +181,4 @@ def _safetensors_problem(path: Path) -> str | None:
 
 
 def export_from_training(checkpoint: str | Path, out: str | Path, engine: str = "sglang") -> Path:
-    from eagle3_ray.drafter.export import export_drafter
-
     return export_drafter(find_checkpoint(checkpoint), out, engine=engine)

@@ -8,8 +8,13 @@ them through `ray.train.get_dataset_shard("train")`.
 from __future__ import annotations
 
 import numpy as np
+import ray
+import torch
 
-from eagle3_ray.train.packing import Pack
+from eagle3_ray.drafter.ttt import split_rows
+from eagle3_ray.features import open_store
+from eagle3_ray.features.record import bf16_to_uint16, uint16_to_bf16
+from eagle3_ray.train.packing import Pack, collate
 
 
 def _ragged(arrays):
@@ -21,16 +26,9 @@ def _ragged(arrays):
 
 class LoadPackUDF:
     def __init__(self, store_root: str, on_corrupt: str = "abort"):
-        from eagle3_ray.features import open_store
-
         self.store = open_store(store_root, on_corrupt=on_corrupt)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
-
-        from eagle3_ray.features.record import bf16_to_uint16
-        from eagle3_ray.train.packing import collate
-
         cols: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden",
                                                 "position_ids", "seq_ids")}
         for samples in batch["samples"]:
@@ -49,8 +47,6 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
                         num_cpus: float | None = None):
     """Packed rows of `packs` read from the store by up to `loaders` LoadPackUDF actors (each
     reserving `num_cpus`, Ray Data's default when None)."""
-    import ray
-
     rows = pack_rows(packs)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 200)))
     return ds.map_batches(
@@ -71,11 +67,6 @@ def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: i
     (`split_rows`), done here on the host so the training step does not wait for the device to
     find the sample boundaries.
     """
-    import torch
-
-    from eagle3_ray.drafter.ttt import split_rows
-    from eagle3_ray.features.record import uint16_to_bf16
-
     out = {k: uint16_to_bf16(np.ascontiguousarray(row[k]))[None] for k in ("aux_hidden", "last_hidden")}
     for k, dtype in (("input_ids", np.int64), ("loss_mask", np.bool_), ("position_ids", np.int64),
                      ("seq_ids", np.int64)):

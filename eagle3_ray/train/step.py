@@ -23,6 +23,7 @@ from typing import Iterable, Protocol
 import torch
 
 from eagle3_ray.drafter.ttt import TTTOutput, held_out_metrics, held_out_sums, ttt_forward
+from eagle3_ray.errors import ConfigError
 
 # AdamW settings of every drafter optimizer (the DeepSpeed config's and `adamw`'s).
 ADAMW_BETAS = (0.9, 0.95)
@@ -47,7 +48,7 @@ class StepConfig:
 
     ttt_steps: int = 7
     loss_decay: float = 0.8
-    attention: str = "sdpa"  # "sdpa" or "flex" (train.loop.resolve_attention turns "auto" into one)
+    attention: str = "sdpa"  # "sdpa" or "flex" (resolve_attention turns "auto" into one)
     pad_to: int | None = None  # flex: pad every pack to this many tokens (one compiled kernel)
     row_tokens: int | None = None  # sdpa: split a packed [1, N] batch into rows; None when already split
     grad_accum: int = 1  # micro-batches per optimizer step (`stepped` counts them)
@@ -59,6 +60,19 @@ class StepConfig:
         not laid out as rows already, as the worker's prefetch thread does)."""
         return cls(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, attention=attention, pad_to=t.batch_tokens,
                    row_tokens=row_tokens, grad_accum=t.grad_accum, autocast=autocast)
+
+
+def resolve_attention(setting: str, device_type: str) -> str:
+    """``train.attention`` -> the implementation to run; flex trains only on CUDA (no CPU backward).
+
+    ``auto`` is sdpa everywhere: flex matches sdpa's loss and gradients, and is not the default
+    until its speed in the training loop is known (benchmarks/results/README.md).
+    """
+    if setting == "auto":
+        return "sdpa"
+    if setting == "flex" and device_type != "cuda":
+        raise ConfigError("train.attention=flex needs CUDA (flex_attention has no CPU backward); use sdpa or auto")
+    return setting
 
 
 def adamw(params, lr: float, weight_decay: float = 0.0, fused: bool | None = None) -> torch.optim.AdamW:

@@ -1,7 +1,8 @@
 """`eagle3-ray train`: plan, check, and launch the Ray Train + DeepSpeed drafter training.
 
 The driver refuses mismatched inputs before any worker starts (store vs target vs vocab map),
-writes the frozen target heads once, plans the packs, and hands workers a JSON-safe TrainJob.
+writes the frozen target heads once, plans the packs, and hands workers a TrainJob (typed config
+sections, pickled by Ray as they are).
 Rerunning with the same --out resumes from the latest checkpoint (same RunConfig name + storage).
 """
 
@@ -10,16 +11,28 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.data.vocab import load_vocab_map
+from eagle3_ray.drafter.model import DrafterConfig
+from eagle3_ray.engines.describe import describe_target, target_hf_config
+from eagle3_ray.engines.heads import save_target_heads
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
+from eagle3_ray.extract.vocab_stage import data_fingerprint
+from eagle3_ray.features import open_store
+from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
-from eagle3_ray.train.packing import holdout, plan, remap
+from eagle3_ray.train.data import build_train_dataset
+from eagle3_ray.train.loop import TrainJob, train_func
+from eagle3_ray.train.packing import holdout, padding_efficiency, plan, remap
+from eagle3_ray.train.step import resolve_attention
 
 VOCAB_FILE = "vocab_map.safetensors"
 
@@ -37,8 +50,6 @@ def _short_hash(obj) -> str:
 
 
 def _use_gpu(cfg: PipelineConfig) -> bool:
-    import ray
-
     if cfg.train.use_gpu is not None:
         return cfg.train.use_gpu
     return ray.cluster_resources().get("GPU", 0) > 0
@@ -46,11 +57,6 @@ def _use_gpu(cfg: PipelineConfig) -> bool:
 
 def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: Path):
     """Checks + plan, no Ray: returns (TrainJob, packs, store, held-out packs)."""
-    from eagle3_ray.engines.describe import describe_target
-    from eagle3_ray.extract.vocab_stage import data_fingerprint
-    from eagle3_ray.features import open_store
-    from eagle3_ray.features.store import check_compatible
-
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     if len(store) == 0:
         raise StoreError(f"feature store {features} is empty; run `eagle3-ray extract` first")
@@ -78,13 +84,6 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
     """Vocab checks, drafter shape, frozen heads, pack plan and run identity for samples of `lengths`
     (int [N]); shared by offline training (store) and online training (prepared data). `keep`: the
     sample indices to train on (default all; the rest are held out)."""
-    from eagle3_ray.data.vocab import load_vocab_map
-    from eagle3_ray.drafter.model import DrafterConfig
-    from eagle3_ray.engines.describe import target_hf_config
-    from eagle3_ray.engines.heads import save_target_heads
-    from eagle3_ray.train.loop import TrainJob
-    from eagle3_ray.train.packing import padding_efficiency
-
     vocab_path = _vocab_file(vocab)
     d2t, t2d, vmeta = load_vocab_map(vocab_path)
     if vmeta.get("target_fingerprint") not in (None, info.fingerprint):
@@ -117,7 +116,7 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
     if t.val_share:  # the training packs depend on it (absent when 0: older checkpoints still match)
         identity["val_share"] = t.val_share
     job = TrainJob(
-        train=t.model_dump(), drafter_config=drafter_cfg.to_dict(), heads_path=str(heads.resolve()),
+        train=t, drafter_config=drafter_cfg, heads_path=str(heads.resolve()),
         vocab_path=str(vocab_path.resolve()), out_dir=str(out.resolve()), total_steps=total,
         identity=identity,
     )
@@ -133,8 +132,6 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
 
 def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: str | Path) -> Path:
     """Train; returns the directory of the final checkpoint."""
-    from eagle3_ray.train.data import build_train_dataset
-
     t0 = time.monotonic()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -158,11 +155,6 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
     checkpoint of the same run; returns the final checkpoint directory. `val_datasets`: held-out
     packs per rank ("val_<rank>", not split), evaluated every `train.eval_every` steps."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from eagle3_ray.train.loop import resolve_attention, train_func
-
     job.use_gpu = _use_gpu(cfg)
     job.run = cfg.name
     # Refuse an impossible attention setting here, not after the workers have started.
@@ -175,7 +167,7 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
         job.resume_from = str(previous)
     trainer = TorchTrainer(
         train_func,
-        train_loop_config=asdict(job),
+        train_loop_config={"job": job},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers,
             use_gpu=job.use_gpu,
