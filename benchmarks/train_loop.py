@@ -46,10 +46,11 @@ KIMI_TARGET = {
     "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-06,
     "rope_theta": 50000.0, "tie_word_embeddings": False,
 }
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPES = {  # name -> (config file or None, target.model or None = KIMI_TARGET written to the run dir)
     "8b": (None, "random:builtin:llama3.1-8b-shape"),
-    "kimi": ("configs/kimi-k2.5.yaml", None),
-    "tiny": ("configs/ci-tiny.yaml", "random:builtin:tiny-llama"),
+    "kimi": (CONFIGS / "kimi-k2.5.yaml", None),
+    "tiny": (CONFIGS / "ci-tiny.yaml", "random:builtin:tiny-llama"),
 }
 
 
