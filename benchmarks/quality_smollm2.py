@@ -25,6 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3_ray.config import TrainConfig
+
+_TRAIN_DEFAULTS = TrainConfig()  # the product's training defaults, where this script has no reason to differ
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -206,10 +210,13 @@ def featurize(engine, tok, convs, a):
 
 
 def train(engine, records, a, device):
+    """The product's training step (eagle3_ray/train/step.py) over features held on the device: a
+    fused AdamW on fp32 weights under bf16 autocast, the product's gradient clipping and schedule."""
     from eagle3_ray.data.vocab import build_vocab_map, count_tokens, vocab_coverage
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
     from eagle3_ray.train.packing import collate, plan
     from eagle3_ray.train.schedule import warmup_cosine
+    from eagle3_ray.train.step import StepConfig, TorchEngine, TrainStep, adamw
 
     model = engine.target.model
     V = model.get_input_embeddings().num_embeddings
@@ -222,8 +229,7 @@ def train(engine, records, a, device):
     drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
     drafter.to(device)
     lm_head = model.get_output_embeddings().weight.detach()  # target dtype: fp32 logits in TF32 (exact)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
+    opt = adamw([p for p in drafter.parameters() if p.requires_grad], lr=a.lr, weight_decay=a.weight_decay)
     # Held out: every answer of a few prompts (simulated tau on them shows over-fitting as it happens).
     groups = sorted({r["group"] for r in records})
     val_groups = set(random.Random(0).sample(groups, min(a.val_samples, len(groups) // 10)))
@@ -234,10 +240,13 @@ def train(engine, records, a, device):
     packs = plan(lengths, a.batch_tokens, a.epochs, seed=0)
     # The cosine runs over the steps the time budget allows, re-estimated once the speed is known.
     horizon = [len(packs)]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, horizon[0], 0.05))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, horizon[0], a.min_lr_ratio))
+    attention = a.attention if device.type == "cuda" else "sdpa"  # flex has no CPU backward
+    step_fn = TrainStep(TorchEngine(drafter, opt, sched, grad_accum=1, grad_clip=a.grad_clip), lm_head,
+                        StepConfig(ttt_steps=a.ttt_steps, loss_decay=a.loss_decay, attention=attention,
+                                   pad_to=a.batch_tokens, row_tokens=a.row_tokens, autocast=True))
     log(f"training: {len(records)} samples, {len(packs)} packs of <= {a.batch_tokens} tokens over {a.epochs} epochs "
         f"(at most); draft vocab {a.draft_vocab} covers {vocab_coverage(counts, t2d):.1%} of loss tokens")
-    attention = a.attention if device.type == "cuda" else "sdpa"
     t0 = time.perf_counter()
     hist, tokens, step = [], 0, 0
     for step, pack in enumerate(packs):
@@ -250,26 +259,20 @@ def train(engine, records, a, device):
         if step in (40, 200, 1000, 2000, 4000):
             horizon[0] = min(len(packs), int(step * a.train_seconds / elapsed))
             log(f"schedule: {horizon[0]} steps fit the {a.train_seconds:.0f}s budget")
-        batch = {k: v.to(device) for k, v in collate([records[i] for i in pack.samples]).items()}
-        out, attention = _ttt(drafter, batch, lm_head, a, attention)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+        out = step_fn({k: v.to(device) for k, v in collate([records[i] for i in pack.samples]).items()})
         tokens += pack.tokens
         if step % 50 == 0 or step == len(packs) - 1:
             m = out.metrics
             hist.append({"step": step, "loss": m["loss"], "tau": m["tau"], "acc_0": m["acc_0"],
                          "epoch": pack.epoch, "lr": sched.get_last_lr()[0]})
             if step % 250 == 0 and val_packs:
-                hist[-1].update(_validate(drafter, val, val_packs, lm_head, a, attention, device))
+                hist[-1].update(_validate(step_fn, val, val_packs, device))
             log(f"step {step}/{horizon[0]} ep {pack.epoch} loss {m['loss']:.3f} acc0 {m['acc_0']:.3f} "
                 f"tau {m['tau']:.2f} {tokens / (time.perf_counter() - t0):,.0f} tok/s ({attention})"
                 + (f"; held out: tau {hist[-1]['val_tau']:.2f} acc0 {hist[-1]['val_acc_0']:.3f}"
                    if "val_tau" in hist[-1] else ""))
     seconds = time.perf_counter() - t0
-    final = _validate(drafter, val, val_packs, lm_head, a, attention, device) if val_packs else {}
+    final = _validate(step_fn, val, val_packs, device) if val_packs else {}
     log(f"held out ({len(val)} conversations of {len(val_groups)} prompts): {final}")
     return drafter.eval(), hist, {"steps": step + 1, "seconds": seconds, "tokens_per_s": tokens / seconds,
                                    "epochs_seen": packs[step].epoch + 1, "attention": attention,
@@ -277,23 +280,13 @@ def train(engine, records, a, device):
                                    "train_tokens": int(lengths.sum()), "held_out": final}
 
 
-def _validate(drafter, val, val_packs, lm_head, a, attention, device) -> dict:
-    """Token-weighted simulated tau / acc_0 / loss of the TTT unroll on the held-out conversations."""
-    from eagle3_ray.drafter.ttt import held_out_metrics, held_out_sums
+def _validate(step_fn, val, val_packs, device) -> dict:
+    """Token-weighted simulated tau / acc_0 / loss of the TTT unroll on the held-out conversations
+    (the product's evaluation: `TrainStep.evaluate`)."""
     from eagle3_ray.train.packing import collate
 
-    batches = (({k: v.to(device) for k, v in collate([val[i] for i in pack.samples]).items()}, pack.tokens)
-               for pack in val_packs)
-    return held_out_metrics(held_out_sums(drafter, batches, lambda b: _ttt(drafter, b, lm_head, a, attention)[0]))
-
-
-def _ttt(drafter, batch, lm_head, a, attention):
-    from eagle3_ray.drafter.ttt import ttt_forward
-
-    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16,
-                        enabled=batch["input_ids"].is_cuda):
-        return ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, pad_to=a.batch_tokens,
-                           row_tokens=a.row_tokens), attention
+    return step_fn.evaluate(({k: v.to(device) for k, v in collate([val[i] for i in pack.samples]).items()},
+                             pack.tokens) for pack in val_packs)
 
 
 def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
@@ -493,7 +486,11 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--lr", type=float, default=1e-3, help="1e-3 beat 5e-4 (held-out tau 2.70 vs 2.30, 67K convs)")
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--ttt-steps", type=int, default=_TRAIN_DEFAULTS.ttt_steps)
+    ap.add_argument("--loss-decay", type=float, default=_TRAIN_DEFAULTS.loss_decay, help="default: the product's")
+    ap.add_argument("--grad-clip", type=float, default=_TRAIN_DEFAULTS.grad_clip, help="default: the product's")
+    ap.add_argument("--weight-decay", type=float, default=_TRAIN_DEFAULTS.weight_decay, help="default: the product's")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.05, help="cosine floor as a share of --lr")
     ap.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--chain-k", type=int, default=3)
