@@ -57,5 +57,8 @@ class SlotLayer(CacheLayerMixin):
         # cache_position where the model takes one) plus a 4D mask; the committed length is theirs.
         return 0
 
-    def get_max_length(self) -> int:
+    def get_max_length(self) -> int:  # abstract in transformers 5.24
+        return self.keys.shape[2]
+
+    def get_max_cache_shape(self) -> int:  # the same, abstract under this name in transformers <= 5.12
         return self.keys.shape[2]
