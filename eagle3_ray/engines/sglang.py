@@ -14,22 +14,29 @@ without it. Versions differ (0.5.17 and 0.5.23 are tested): the kwargs follow th
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import shutil
+import struct
 import tempfile
 import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
-from safetensors import safe_open
 
 from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.engines.aux_layers import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
 from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
 from eagle3_ray.errors import ConfigError, EngineError
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["capture", "generate", "spec"]
 MODES: tuple[str, ...] = ("capture", "generate", "spec")
@@ -38,9 +45,10 @@ INSTALL_HINT = "pip install 'eagle3-ray[sglang]' (sglang 0.5.17 to 0.5.23, needs
 HOOK_NAME = "eagle3_ray_capture"
 # In SGLang 0.5.23 (not 0.5.17): hands aux states to logits_processor without loading a draft.
 AUX_FLAG = "enable_return_aux_hidden_states"
-# Models whose decoder layers return (hidden_states, residual) with forward_batch as the third
-# positional argument: the layer-hook capture (SGLang without AUX_FLAG) works on these.
-LAYER_HOOK_MODELS = ("llama", "qwen2", "qwen3")
+# Models whose decoder layers return (hidden_states, residual[, ...]) with forward_batch as the
+# third positional argument: the layer-hook capture (SGLang without AUX_FLAG) works on these.
+# DeepSeek-V2/V3 (and Kimi-K2, which ships DeepseekV3ForCausalLM) return a third item, topk_indices.
+LAYER_HOOK_MODELS = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3", "kimi_k2")
 
 # One forward per request, nothing decoded: max_new_tokens=0 returns no output at all.
 CAPTURE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
@@ -274,12 +282,31 @@ def check_server_args(kwargs: dict[str, Any]) -> None:
         )
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a safetensors file as views of one private memory map (no copy; the file
+    can be unlinked at once), and its metadata."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", None) or {}
+    size = path.stat().st_size
+    data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)[8 + n:]
+    out = {}
+    for name, h in header.items():
+        start, end = h["data_offsets"]
+        out[name] = data[start:end].view(_DTYPES[h["dtype"]]).view(h["shape"])
+    return out, meta
+
+
 def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
-    """Load one hook file, check it covers the whole sequence, and delete it."""
-    with safe_open(str(path), framework="pt") as f:
-        cached = int((f.metadata() or {}).get("prefix_len", 0))
-        aux = f.get_tensor("aux_hidden")  # [T, 3H]
-        last = f.get_tensor("last_hidden")  # [T, H]
+    """Map one hook file, check it covers the whole sequence, and delete it."""
+    tensors, meta = _map_safetensors(path)
+    cached = int(meta.get("prefix_len", 0))
+    aux = tensors["aux_hidden"]  # [T, 3H]
+    last = tensors["last_hidden"]  # [T, H]
     path.unlink()
     if cached or aux.shape[0] != num_tokens or last.shape[0] != num_tokens:
         raise EngineError(
@@ -295,28 +322,138 @@ def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
     return Capture(aux_hidden=aux, last_hidden=last)
 
 
-class SGLangEngine:
-    """``TargetEngine`` on ``sglang.Engine``; ``mode`` picks capture or generation settings."""
+# The hook's writer thread lands a request's file shortly after SGLang answers it; this long
+# without the file (and with the engine alive) means the hook did not run.
+CAPTURE_WAIT_S = 120.0
+# How often a call waiting on SGLang checks that the engine's processes are alive.
+LIVENESS_POLL_S = 1.0
+MAX_RESTARTS = 3
 
-    def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0):
+
+class EngineDied(Exception):
+    """An SGLang process of this engine exited (killed, crashed) while a call was in flight."""
+
+
+def live_children() -> set[int]:
+    """Pids of this process's live child processes (zombies count as dead)."""
+    import psutil
+
+    alive = set()
+    for child in psutil.Process().children(recursive=False):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+class SGLangEngine:
+    """``TargetEngine`` on ``sglang.Engine``; ``mode`` picks capture or generation settings.
+
+    When a process of the engine dies (a scheduler killed or crashed), the call in flight notices
+    (SGLang's own answer never comes: the liveness of the processes the engine started is polled),
+    the engine is shut down and built again, and the batch is retried with fresh request ids, up
+    to ``max_restarts`` times over the engine's life. SGLang's own subprocess watchdog is stopped:
+    it would SIGQUIT this process, which kills the whole process tree (the Ray actor with it).
+    """
+
+    def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0,
+                 max_restarts: int = MAX_RESTARTS, engine_factory: Callable[..., Any] | None = None):
+        """``engine_factory`` builds the engine from the kwargs (default ``sglang.Engine``; tests
+        pass a fake, since the real engine needs CUDA)."""
         from eagle3_ray.engines.describe import describe_target
 
         sglang = import_sglang()
         described = describe_target(target_cfg)
         self.info = replace(described, extra={"backend": "sglang", "mode": mode, "tp_size": target_cfg.tp_size})
         self.mode = mode
+        self.restarts = 0
+        self.max_restarts = max_restarts
+        self._target, self._node_rank = target_cfg, node_rank
+        self._factory = engine_factory or sglang.Engine
+        self._root = Path(target_cfg.sglang.capture_dir) if mode == "capture" else None
         self._dir: Path | None = None
-        if mode == "capture":
-            root = Path(target_cfg.sglang.capture_dir)
-            root.mkdir(parents=True, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="eagle3_ray_capture_", dir=root))
-        kwargs = engine_kwargs(target_cfg, mode, info=self.info, capture_dir=self._dir, node_rank=node_rank)
-        check_server_args(kwargs)
-        self._engine = sglang.Engine(**kwargs)
+        self._engine: Any = None
+        self._procs: set[int] = set()
+        self._generation = 0
         # sglang.Engine.generate runs its own event loop: one call at a time. Callers in threads
         # (CaptureWriteUDF's concurrent batches) still overlap reading one batch's features with
         # the next batch's forward, since reading happens outside the lock.
         self._lock = threading.Lock()
+        self._restart_lock = threading.Lock()
+        self._caller = ThreadPoolExecutor(1, thread_name_prefix="eagle3-ray-sglang")
+        self._start()
+
+    def _kwargs(self) -> dict[str, Any]:
+        return engine_kwargs(self._target, self.mode, info=self.info, capture_dir=self._dir, node_rank=self._node_rank)
+
+    def _start(self) -> None:
+        if self._root is not None:  # a fresh directory per engine: a dead engine's files stay behind
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._dir = Path(tempfile.mkdtemp(prefix="eagle3_ray_capture_", dir=self._root))
+        kwargs = self._kwargs()
+        check_server_args(kwargs)
+        before = live_children()
+        self._engine = self._factory(**kwargs)
+        self._procs = live_children() - before
+        watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        logger.info("SGLang engine up (mode %s, processes %s)", self.mode, sorted(self._procs))
+
+    def _dead(self) -> list[int]:
+        return sorted(self._procs - live_children())
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(sglang_engine)`` on the caller thread, watching the engine's processes meanwhile."""
+        engine, generation = self._engine, self._generation
+        future = self._caller.submit(fn, engine)
+        while True:
+            try:
+                return future.result(timeout=LIVENESS_POLL_S)
+            except FutureTimeout:
+                dead = self._dead() if generation == self._generation else [-1]
+                if not dead:
+                    continue
+                # SGLang's loop waits forever for an answer the dead scheduler will never send.
+                loop = getattr(engine, "loop", None)
+                if loop is not None:
+                    loop.call_soon_threadsafe(loop.stop)
+                try:
+                    future.result(timeout=30)
+                except Exception:
+                    pass
+                raise EngineDied(f"SGLang processes {dead} exited during the call")
+            except Exception as e:
+                dead = self._dead() if generation == self._generation else [-1]
+                if dead:
+                    raise EngineDied(f"SGLang processes {dead} exited during the call ({e})") from e
+                raise
+
+    def _restart(self, generation: int, why: EngineDied) -> None:
+        with self._restart_lock:
+            if generation != self._generation:
+                return  # another thread already rebuilt the engine
+            if self.restarts >= self.max_restarts:
+                raise EngineError(
+                    f"the SGLang engine died {self.restarts + 1} times ({why}); giving up after "
+                    f"max_restarts={self.max_restarts}: read SGLang's log for the cause"
+                ) from why
+            self.restarts += 1
+            logger.warning("SGLang engine died (%s); restarting it (%d/%d) and retrying the batch",
+                           why, self.restarts, self.max_restarts)
+            self._stop_engine()
+            self._generation += 1
+            self._start()
+
+    def _retrying(self, attempt: Callable[[int], Any]) -> Any:
+        while True:
+            generation = self._generation
+            try:
+                return attempt(generation)
+            except EngineDied as why:
+                self._restart(generation, why)
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
         if self.mode != "capture":
@@ -326,19 +463,40 @@ class SGLangEngine:
             return []
         if any(not s for s in seqs):
             raise EngineError("capture: every sequence needs at least one token")
-        rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]
-        with self._lock:
-            outs = self._engine.generate(input_ids=seqs, sampling_params=[dict(CAPTURE_SAMPLING) for _ in seqs], rid=rids)
-        return [self._collect(out["meta_info"]["id"], len(s)) for out, s in zip(outs, seqs)]
 
-    def _collect(self, rid: str, num_tokens: int) -> Capture:
-        assert self._dir is not None
-        path = capture_path(self._dir, rid)
-        if not path.is_file():
-            raise EngineError(
-                f"SGLang answered request {rid} but the capture hook wrote no {path}: the hook did not run "
-                "(look for 'Registered forward hook' in SGLang's log; CUDA graphs must stay disabled)"
-            )
+        def attempt(generation: int) -> list[Capture]:
+            rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]  # fresh ids on a retry
+            params = [dict(CAPTURE_SAMPLING) for _ in seqs]
+            with self._lock:
+                if generation != self._generation:
+                    raise EngineDied("the engine was restarted")
+                directory = self._dir
+                outs = self._call(lambda e: e.generate(input_ids=seqs, sampling_params=params, rid=rids))
+            return [self._collect(directory, out["meta_info"]["id"], len(s), generation) for out, s in zip(outs, seqs)]
+
+        return self._retrying(attempt)
+
+    def _collect(self, directory: Path | None, rid: str, num_tokens: int, generation: int = 0) -> Capture:
+        assert directory is not None
+        path = capture_path(directory, rid)
+        waited, step, next_check = 0.0, 0.0005, LIVENESS_POLL_S
+        while not path.is_file():  # the hook's writer thread lands it shortly after SGLang answers
+            if waited >= next_check:
+                next_check += LIVENESS_POLL_S
+                if generation != self._generation:
+                    raise EngineDied("the engine was restarted")
+                dead = self._dead()
+                if dead:
+                    raise EngineDied(f"SGLang processes {dead} exited before writing {path.name}")
+            if waited >= CAPTURE_WAIT_S:
+                raise EngineError(
+                    f"SGLang answered request {rid} but the capture hook wrote no {path} within "
+                    f"{CAPTURE_WAIT_S:.0f} s: the hook did not run (look for 'Registered forward hook' and "
+                    "'capture writer failed' in SGLang's log; CUDA graphs must stay disabled)"
+                )
+            time.sleep(step)
+            waited += step
+            step = min(step * 2, 0.01)
         return read_capture(path, num_tokens, self.info.hidden_size)
 
     def generate(
@@ -353,18 +511,52 @@ class SGLangEngine:
         if not prompts:
             return []
         params = [generate_sampling(max_new_tokens, temperature, top_p, seed + i) for i in range(len(prompts))]
-        with self._lock:
-            outs = self._engine.generate(input_ids=[[int(t) for t in p] for p in prompts], sampling_params=params)
-        return [list(out["output_ids"]) for out in outs]
+        ids = [[int(t) for t in p] for p in prompts]
 
-    def close(self) -> None:
-        engine, self._engine = getattr(self, "_engine", None), None
+        def attempt(generation: int) -> list[list[int]]:
+            with self._lock:
+                if generation != self._generation:
+                    raise EngineDied("the engine was restarted")
+                outs = self._call(lambda e: e.generate(input_ids=ids, sampling_params=params))
+            return [list(out["output_ids"]) for out in outs]
+
+        return self._retrying(attempt)
+
+    def _stop_engine(self) -> None:
+        engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            try:
+                engine.shutdown()  # kills this process's child tree (SGLang's own shutdown)
+            except Exception:
+                logger.exception("shutting down the SGLang engine failed; killing its processes")
+        _kill(self._procs)
+        self._procs = set()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if getattr(self, "_engine", None) is not None or getattr(self, "_procs", None):
+            self._stop_engine()
+        caller = getattr(self, "_caller", None)
+        if caller is not None:
+            caller.shutdown(wait=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _kill(pids: set[int], timeout: float = 60.0) -> None:
+    """SIGKILL what is left of ``pids`` and wait for them, so their GPU memory is free again."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            p.kill()
+            procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
 
 
 def generate_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict[str, Any]:

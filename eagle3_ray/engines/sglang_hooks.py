@@ -20,19 +20,29 @@ final norm (the lm_head input). N is the sum of the batch's extend lengths, requ
   their rows here, in this process, and the ``logits_processor`` hook of the same forward takes them.
 
 Only TP rank 0 writes: every rank holds the same full rows, and one writer per request keeps
-/dev/shm traffic at one copy. Each request becomes ``<dir>/<rid>.safetensors`` (written to a
-temporary name, then renamed, so a reader never sees half a file) holding ``aux_hidden`` [T, 3H]
-and ``last_hidden`` [T, H] in the model dtype, plus the request's cached prefix length as metadata.
+/dev/shm traffic at one copy. The hook does not stall the forward: it starts non-blocking copies
+of the batch's rows to pinned host buffers on a side stream and hands them to a writer thread of
+the scheduler process, which waits for the copy and writes. Each request becomes
+``<dir>/<rid>.safetensors`` (written to a temporary name, then renamed, so a reader never sees half
+a file, and a reader waits for it: it may land after SGLang has answered the request) holding
+``aux_hidden`` [T, 3H] and ``last_hidden`` [T, H] in the model dtype, plus the request's cached
+prefix length as metadata.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import queue
+import struct
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
 
 CAPTURE_SUFFIX = ".safetensors"
 FACTORY_PATH = "eagle3_ray.engines.sglang_hooks:capture_hook_factory"
@@ -103,7 +113,7 @@ def layer_hook_factory(config: dict[str, Any]) -> Callable | None:
     """``hook_factory`` of one aux layer's spec: config = {"dir", "tp_size", "slot": int}.
 
     The hook sits on a decoder layer whose forward is ``(positions, hidden_states, forward_batch,
-    residual) -> (hidden_states, residual)`` and parks ``hidden_states + residual`` [N, H].
+    residual, ...) -> (hidden_states, residual[, ...])`` and parks ``hidden_states + residual`` [N, H].
     """
     if _world_rank() % int(config["tp_size"]) != 0:
         return None
@@ -112,8 +122,8 @@ def layer_hook_factory(config: dict[str, Any]) -> Callable | None:
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not _is_prefill(args[LAYER_BATCH_ARG]):
             return None
-        hidden, residual = output
-        _LAYER_ROWS.setdefault(key, {})[slot] = hidden + residual  # [N, H]
+        hidden, residual = output[0], output[1]  # DeepSeek layers return topk_indices third
+        _LAYER_ROWS.setdefault(key, {})[slot] = hidden if residual is None else hidden + residual  # [N, H]
         return None
 
     return hook
@@ -125,25 +135,131 @@ def write_batch(
     hidden: torch.Tensor,  # [N, H] post-final-norm
     aux: torch.Tensor | list[torch.Tensor],  # [N, 3H] packed, or three [N, H]
 ) -> None:
-    """Split one extend batch into per-request files."""
+    """Hand one extend batch to the writer thread, which splits it into per-request files.
+
+    On CUDA the rows go to pinned host buffers with non-blocking copies on a side stream, so the
+    forward is not stalled by the device-to-host copy or the file writes; the writer waits for the
+    copy's event, then writes. ``flush()`` waits until every batch handed over so far is written.
+    """
     aux_packed = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)  # [N, 3H]
     lens = forward_batch.extend_seq_lens_cpu
     if lens is None:
         lens = forward_batch.extend_seq_lens.tolist()
     prefix = forward_batch.extend_prefix_lens_cpu or [0] * len(lens)
-    start = 0
     # zip stops at the real requests: padded batch slots have no rid.
-    for rid, n, cached in zip(forward_batch.rids, lens, prefix):
-        rows = slice(start, start + int(n))
-        _write_one(capture_path(directory, rid), aux_packed[rows], hidden[rows], int(cached))
-        start += int(n)
+    reqs = [(rid, int(n), int(c)) for rid, n, c in zip(forward_batch.rids, lens, prefix)]
+    rows = sum(n for _, n, _ in reqs)
+    host_aux, host_last, ready = _to_host(aux_packed[:rows], hidden[:rows])
+    _writer().put(Path(directory), reqs, host_aux, host_last, ready)
+
+
+def flush(timeout: float | None = None) -> None:
+    """Wait until the writer thread has written every batch handed to it so far."""
+    w = _WRITER
+    if w is not None:
+        w.flush(timeout)
+
+
+def _to_host(aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Start copying both tensors to host memory; returns them and an event to wait on (or None)."""
+    if not aux.is_cuda:
+        return aux.detach().clone(), last.detach().clone(), None
+    global _SIDE_STREAM
+    if _SIDE_STREAM is None:
+        _SIDE_STREAM = torch.cuda.Stream(device=aux.device)
+    side, main = _SIDE_STREAM, torch.cuda.current_stream(aux.device)
+    host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)  # torch caches pinned blocks
+    host_last = torch.empty(last.shape, dtype=last.dtype, pin_memory=True)
+    side.wait_stream(main)  # the rows are final once the forward's work so far is done
+    with torch.cuda.stream(side):
+        host_aux.copy_(aux.detach(), non_blocking=True)
+        host_last.copy_(last.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    # The caching allocator must not hand these blocks to the next forward before the copy ends.
+    aux.record_stream(side)
+    last.record_stream(side)
+    return host_aux, host_last, done
+
+
+_SIDE_STREAM: Any = None
+# Batches copied but not written yet: at most this many, so host memory stays bounded when the
+# writes fall behind (the forward then waits for the writer).
+MAX_PENDING_BATCHES = 8
+
+
+class _Writer:
+    """One daemon thread per scheduler process writing the captured batches, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_PENDING_BATCHES)
+        self._thread = threading.Thread(target=self._run, name="eagle3-ray-capture-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, directory: Path, reqs: list, host_aux: torch.Tensor, host_last: torch.Tensor, ready: Any) -> None:
+        self._queue.put((directory, reqs, host_aux, host_last, ready))
+
+    def flush(self, timeout: float | None = None) -> None:
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout):
+            raise TimeoutError(f"the capture writer did not finish within {timeout} s")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            directory, reqs, host_aux, host_last, ready = item
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                start = 0
+                for rid, n, cached in reqs:
+                    _write_one(capture_path(directory, rid), host_aux[start:start + n], host_last[start:start + n], cached)
+                    start += n
+            except Exception:  # the engine reports the missing files; the cause goes to SGLang's log
+                logger.exception("eagle3_ray capture writer failed for requests %s", [r for r, _, _ in reqs])
+
+
+_WRITER: _Writer | None = None
+_WRITER_LOCK = threading.Lock()
+
+
+def _writer() -> _Writer:
+    global _WRITER
+    with _WRITER_LOCK:
+        if _WRITER is None:
+            _WRITER = _Writer()
+        return _WRITER
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    # Bytes of a contiguous CPU tensor without a copy (numpy has no bfloat16: view it as bytes).
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 def _write_one(path: Path, aux_hidden: torch.Tensor, last_hidden: torch.Tensor, cached: int) -> None:
+    """One safetensors file, written by hand: header, then the tensors' bytes straight from the
+    (pinned) buffer; ``file.write`` releases the GIL, ``safetensors.save_file`` copies twice."""
+    tensors = {"aux_hidden": aux_hidden, "last_hidden": last_hidden}  # [T, 3H], [T, H]
+    header: dict[str, Any] = {"__metadata__": {"prefix_len": str(cached)}}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
     tmp = path.with_name(path.name + ".tmp")
-    tensors = {
-        "aux_hidden": aux_hidden.detach().to("cpu").contiguous(),  # [T, 3H]
-        "last_hidden": last_hidden.detach().to("cpu").contiguous(),  # [T, H]
-    }
-    save_file(tensors, str(tmp), metadata={"prefix_len": str(cached)})
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                f.write(_raw(t))
     os.replace(tmp, path)

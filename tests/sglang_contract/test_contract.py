@@ -31,7 +31,7 @@ import sglang.srt.server_args as server_args
 from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
 from eagle3_ray.engines import sglang as sg  # noqa: E402
 from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
-from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, capture_path  # noqa: E402
+from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, capture_path, flush  # noqa: E402
 from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
 
 from conftest import source_root  # noqa: E402
@@ -186,10 +186,16 @@ def test_capture_kwargs_take_the_installed_versions_aux_path(target_dir, tmp_pat
 def test_layer_hook_capture_is_refused_for_models_without_the_layer_convention(target_dir, tmp_path):
     from eagle3_ray.engines.base import EngineInfo
 
-    info = EngineInfo(model_type="deepseek_v3", num_layers=32, hidden_size=64, vocab_size=512, aux_layers=[2, 16, 29],
+    info = EngineInfo(model_type="glm4_moe", num_layers=32, hidden_size=64, vocab_size=512, aux_layers=[2, 16, 29],
                       dtype="bfloat16", fingerprint="x")
     with pytest.raises(ConfigError, match="enable_return_aux_hidden_states"):
         sg.engine_kwargs(_target(target_dir), "capture", info=info, capture_dir=tmp_path, fields=frozenset())
+    deepseek = EngineInfo(model_type="deepseek_v3", num_layers=32, hidden_size=64, vocab_size=512,
+                          aux_layers=[2, 16, 29], dtype="bfloat16", fingerprint="x")
+    hooks = sg.engine_kwargs(_target(target_dir), "capture", info=deepseek, capture_dir=tmp_path,
+                             fields=frozenset())["forward_hooks"]
+    assert [h["target_modules"] for h in hooks] == [["model.layers.1"], ["model.layers.15"], ["model.layers.28"],
+                                                    ["logits_processor"]]
 
 
 def test_generate_and_spec_kwargs(target_dir, tmp_path):
@@ -325,6 +331,7 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(s) for s in seqs])
     logits = model(torch.cat(seqs), last, batch, aux_arg)
     assert logits.shape == (aux.shape[0], 512)  # the hook leaves the output alone
+    flush(timeout=30)  # the hook's writer thread writes the files
 
     for rid, seq, (want_aux, want_last) in zip(rids, seqs, per_request):
         cap = sg.read_capture(capture_path(tmp_path, rid), len(seq), hidden_size=64)
@@ -336,6 +343,7 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     verify = _forward_batch(forward_batch_cls, forward_mode.TARGET_VERIFY, rids, [1, 1])
     model(torch.cat(seqs)[:2], last[:2], decode, aux_arg)
     model(torch.cat(seqs)[:2], last[:2], verify, aux_arg)
+    flush(timeout=30)
     assert not list(tmp_path.iterdir())
 
 
@@ -350,18 +358,21 @@ class FakeSGLangLlamaWithLayers(torch.nn.Module):
     """
 
     class Layer(torch.nn.Module):
-        def __init__(self, out: torch.Tensor):
+        def __init__(self, out: torch.Tensor, deepseek: bool):
             super().__init__()
             self.out = out  # [N, H] HF hidden_states[i + 1] of the packed batch
+            self.deepseek = deepseek
 
-        def forward(self, positions, hidden_states, forward_batch, residual):
+        def forward(self, positions, hidden_states, forward_batch, residual, *more):
             residual = hidden_states if residual is None else hidden_states + residual
+            if self.deepseek:  # DeepseekV2DecoderLayer: (hidden_states, residual, topk_indices)
+                return self.out - 0.25 * residual, 0.25 * residual, None
             return self.out - 0.25 * residual, 0.25 * residual
 
-    def __init__(self, states: list[torch.Tensor], last: torch.Tensor, vocab: int):
+    def __init__(self, states: list[torch.Tensor], last: torch.Tensor, vocab: int, deepseek: bool = False):
         super().__init__()
         self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList(self.Layer(h) for h in states[1:])
+        self.model.layers = torch.nn.ModuleList(self.Layer(h, deepseek) for h in states[1:])
         self.lm_head = torch.nn.Linear(last.shape[-1], vocab, bias=False)
         self.logits_processor = TinyTargetWithLogitsProcessor.LogitsProcessor()
         self.embeds, self.last = states[0], last
@@ -369,12 +380,13 @@ class FakeSGLangLlamaWithLayers(torch.nn.Module):
     def forward(self, input_ids, positions, forward_batch):
         hidden_states, residual = self.embeds, None
         for layer in self.model.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)[:2]
         return self.logits_processor(input_ids, self.last, self.lm_head, forward_batch, None)
 
 
+@pytest.mark.parametrize("deepseek", [False, True], ids=["llama-layers", "deepseek-layers"])
 def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_batch_cls, forward_mode,
-                                                 tiny_llama_config):
+                                                 tiny_llama_config, deepseek):
     """The capture path of SGLang without enable_return_aux_hidden_states (0.5.17), through SGLang's
     real register_forward_hooks: every request's file holds HF hidden_states[k] exactly."""
     from transformers import LlamaForCausalLM
@@ -389,18 +401,20 @@ def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_b
     states = [torch.cat([o.hidden_states[i][0] for o in outs]) for i in range(layers + 1)]  # [N, H] each
     last = torch.cat([o.last_hidden_state[0] for o in outs])
     kw = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path, fields=frozenset())
-    model = FakeSGLangLlamaWithLayers(states, last, vocab=512)
+    model = FakeSGLangLlamaWithLayers(states, last, vocab=512, deepseek=deepseek)
     register_forward_hooks(model, kw["forward_hooks"])
     assert [len(model.model.layers[i]._forward_hooks) for i in range(layers)] == [int(i in (1, 2, 3)) for i in range(layers)]
 
     rids = ["req-a", "req-b"]
     batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(q) for q in seqs])
     model(torch.cat(seqs), None, batch)
+    flush(timeout=30)
     for rid, q, o in zip(rids, seqs, outs):
         cap = sg.read_capture(capture_path(tmp_path, rid), len(q), hidden_size=64)
         assert torch.allclose(cap.aux_hidden, torch.cat([o.hidden_states[k][0] for k in (2, 3, 4)], -1), atol=1e-6)
         assert torch.equal(cap.last_hidden, o.last_hidden_state[0])
     model(torch.cat(seqs)[:2], None, _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1]))
+    flush(timeout=30)
     assert not list(tmp_path.iterdir())  # decode steps write nothing
 
 
@@ -416,6 +430,7 @@ def test_installed_models_fit_the_capture_path_the_engine_takes():
     if HAS_AUX_FLAG:
         assert {"enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids"} <= FIELDS
         return
+    _deepseek_layers_fit_the_layer_hooks()
     for rel, model_cls, layer_cls in [("models/llama.py", "LlamaModel", "LlamaDecoderLayer"),
                                       ("models/qwen2.py", "Qwen2Model", "Qwen2DecoderLayer"),
                                       ("models/qwen3.py", "Qwen3Model", "Qwen3DecoderLayer")]:
@@ -435,6 +450,23 @@ def test_installed_models_fit_the_capture_path_the_engine_takes():
         assert [ast.unparse(r.value) for r in returns][-1] == "(hidden_states, residual)", layer_cls
 
 
+def _deepseek_layers_fit_the_layer_hooks():
+    """DeepseekV2Model.forward calls ``layer(positions, hidden_states, forward_batch, residual, ...)``;
+    each DeepseekV2DecoderLayer returns ``hidden_states, residual, topk_indices``; SGLang's own capture
+    (``prepare_attn_and_capture_last_layer_outputs``) takes the next layer's ``residual`` after its
+    fused add-norm, i.e. the same sum ``hidden_states + residual`` the layer hook takes."""
+    calls = _layer_calls(_method("models/deepseek_v2.py", "DeepseekV2Model", "forward"))
+    assert calls, "DeepseekV2Model.forward no longer calls its layers"
+    for c in calls:
+        assert [ast.unparse(a) for a in c.args[:4]] == ["positions", "hidden_states", "forward_batch", "residual"]
+    returns = [n for n in ast.walk(_method("models/deepseek_v2.py", "DeepseekV2DecoderLayer", "forward"))
+               if isinstance(n, ast.Return)]
+    assert ast.unparse(returns[-1].value) == "(hidden_states, residual, topk_indices)"
+    capture = ast.unparse(_method("layers/communicator.py", "LayerCommunicator",
+                                  "prepare_attn_and_capture_last_layer_outputs"))
+    assert capture.index("self.prepare_attn(") < capture.index("hidden_states=residual"), capture
+
+
 def test_reader_refuses_partial_captures(tmp_path, forward_batch_cls, forward_mode, hf_rows):
     from eagle3_ray.engines.sglang_hooks import write_batch
 
@@ -442,9 +474,11 @@ def test_reader_refuses_partial_captures(tmp_path, forward_batch_cls, forward_mo
     aux, last = per_request[0]
     cached = _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["r"], [len(seqs[0]) - 2], prefix=[2])
     write_batch(tmp_path, cached, last[2:], aux[2:])
+    flush(timeout=30)
     with pytest.raises(EngineError, match="prefix cache hit: 2"):
         sg.read_capture(capture_path(tmp_path, "r"), len(seqs[0]), hidden_size=64)
     write_batch(tmp_path, _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["s"], [len(seqs[0])]), last, aux)
+    flush(timeout=30)
     with pytest.raises(EngineError, match="hidden size"):
         sg.read_capture(capture_path(tmp_path, "s"), len(seqs[0]), hidden_size=32)
 
@@ -694,6 +728,9 @@ class FakeSGLangEngineOneCallAtATime:
         self.running = threading.Lock()
         self.calls = 0
 
+    def shutdown(self):
+        pass
+
     def generate(self, input_ids, sampling_params, rid=None):
         import time
 
@@ -707,14 +744,34 @@ class FakeSGLangEngineOneCallAtATime:
             self.running.release()
 
 
-def test_engine_serialises_generate_calls_from_threads():
+def test_engine_serialises_generate_calls_from_threads(target_dir):
     """CaptureWriteUDF runs batches in threads: SGLangEngine must enter sglang.Engine.generate one at a time."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = sg.SGLangEngine.__new__(sg.SGLangEngine)  # skips building sglang.Engine (CUDA)
-    engine.mode, engine._dir = "generate", None
-    engine._engine, engine._lock = FakeSGLangEngineOneCallAtATime(), threading.Lock()
+    engine = sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate",
+                             engine_factory=lambda **kw: FakeSGLangEngineOneCallAtATime())
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda _: engine.generate([[1, 2, 3]], max_new_tokens=1), range(8)))
     assert outs == [[[7]]] * 8 and engine._engine.calls == 8
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_hook_files_are_safetensors_both_ways(tmp_path, dtype):
+    """The hook writes safetensors by hand (no extra copies) and the engine maps them (no copy):
+    safetensors' own reader reads the hook's files, and the engine reads safetensors' own files."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagle3_ray.engines.sglang_hooks import _write_one
+
+    aux, last = torch.randn(5, 12).to(dtype), torch.randn(5, 4).to(dtype)
+    _write_one(tmp_path / "a.safetensors", aux, last, 3)
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("aux_hidden"), aux) and torch.equal(f.get_tensor("last_hidden"), last)
+        assert f.metadata() == {"prefix_len": "3"}
+    save_file({"aux_hidden": aux, "last_hidden": last}, str(tmp_path / "b.safetensors"), metadata={"prefix_len": "0"})
+    cap = sg.read_capture(tmp_path / "b.safetensors", 5, hidden_size=4)
+    assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
+    assert not list(tmp_path.glob("b*"))

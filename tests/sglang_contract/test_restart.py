@@ -1,0 +1,241 @@
+"""The engine dies, nothing is lost: a scheduler SIGKILLed mid-capture, against the real hook path.
+
+SGLang's engine needs CUDA, so ``FakeSGLangEngine`` (a FAKE, named as such) stands in for
+``sglang.Engine``: like the real one it starts a separate scheduler process, registers the capture
+hooks it is given through SGLang's real ``register_forward_hooks`` there, runs a forward per batch
+that calls them the way SGLang's models do, and answers through an asyncio loop that waits forever
+when the scheduler is gone (the real tokenizer manager never hears from a dead scheduler). It
+watches its scheduler with SGLang's real ``SubprocessWatchdog``, which SIGQUITs this process on a
+crash unless the engine stops it. What is real: SGLangEngine, its kwargs, the hooks and their
+writer thread, SGLang's hook registration and watchdog, the files, a real SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.engines import sglang as sg
+from eagle3_ray.errors import EngineError
+
+REPO = Path(__file__).resolve().parents[2]
+H = 64
+
+# The scheduler of the fake: hooks registered by SGLang's own register_forward_hooks on a module
+# tree with SGLang's names; one JSON batch per stdin line, one answer per stdout line.
+_SCHEDULER = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+    from eagle3_ray.engines.sglang_hooks import flush
+    H, kw = int(sys.argv[1]), json.loads(sys.argv[2])
+    delay = float(sys.argv[3])
+
+    class Mode:
+        def is_extend(self): return True
+        def is_target_verify(self): return False
+
+    class Batch:  # the ForwardBatch fields the hook reads (pinned against the source in test_contract)
+        def __init__(self, rids, lens):
+            self.forward_mode, self.rids = Mode(), rids
+            self.extend_seq_lens_cpu, self.extend_prefix_lens_cpu = lens, [0] * len(lens)
+            self.extend_seq_lens = torch.tensor(lens)
+
+    def state(ids, k):  # the residual stream after k layers, a function of the token ids
+        return ids[:, None].float() * (k + 1) + torch.arange(H).float()[None] / H
+
+    class Layer(torch.nn.Module):
+        def __init__(self, k): super().__init__(); self.k = k
+        def forward(self, positions, hidden_states, forward_batch, residual):
+            return state(positions, self.k + 1) - 1.0, torch.ones_like(hidden_states)
+
+    class LogitsProcessor(torch.nn.Module):
+        def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+            return hidden_states.sum(-1)
+
+    class Model(torch.nn.Module):
+        def __init__(self, layers, aux_ids):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(Layer(k) for k in range(layers))
+            self.logits_processor, self.aux_ids = LogitsProcessor(), aux_ids
+        def forward(self, ids, batch):
+            h = torch.zeros(ids.shape[0], H)
+            for layer in self.model.layers:
+                h, _ = layer(ids, h, batch, None)
+            aux = None
+            if self.aux_ids is not None:  # enable_return_aux_hidden_states: SGLang captures layer inputs
+                aux = [state(ids, c) for c in self.aux_ids]
+            return self.logits_processor(ids, state(ids, 99), None, batch, aux)
+
+    layers = int(sys.argv[4])
+    aux_ids = kw.get("return_aux_hidden_state_layer_ids")
+    if aux_ids is not None:
+        aux_ids = [c + 1 for c in aux_ids]  # the llama rule: id c captures HF hidden_states[c + 1]
+    model = Model(layers, aux_ids)
+    register_forward_hooks(model, kw["forward_hooks"])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        time.sleep(delay)
+        ids = torch.tensor([t for s in req["input_ids"] for t in s])
+        model(ids, Batch(req["rid"], [len(s) for s in req["input_ids"]]))
+        print(json.dumps(req["rid"]), flush=True)
+    """
+)
+
+
+class _PopenAsProcess:
+    """What SubprocessWatchdog reads of a multiprocessing.Process, for a Popen."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+
+class FakeSGLangEngine:
+    """FAKE ``sglang.Engine`` (the real one needs CUDA); see the module docstring."""
+
+    started: list["FakeSGLangEngine"] = []
+
+    def __init__(self, delay: float = 0.2, layers: int = 6, **kwargs):
+        from sglang.srt.utils.watchdog import SubprocessWatchdog
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, str(REPO)])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SCHEDULER, str(H), json.dumps(kwargs), str(delay), str(layers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.loop = asyncio.new_event_loop()
+        self._waiting: dict[str, asyncio.Future] = {}
+        threading.Thread(target=self._read_answers, daemon=True).start()
+        self.tokenizer_manager = type("TokenizerManager", (), {})()
+        self.tokenizer_manager._subprocess_watchdog = SubprocessWatchdog(
+            processes=[_PopenAsProcess(self.proc)], process_names=["scheduler_0"], interval=0.1)
+        self.tokenizer_manager._subprocess_watchdog.start()
+        self.shut = False
+        FakeSGLangEngine.started.append(self)
+
+    def _read_answers(self):
+        for line in self.proc.stdout:  # a dead scheduler just stops answering
+            rids = tuple(json.loads(line))
+            fut = self._waiting.pop(rids)
+            self.loop.call_soon_threadsafe(fut.set_result, rids)
+
+    def generate(self, input_ids, sampling_params, rid):
+        fut = self.loop.create_future()
+        self._waiting[tuple(rid)] = fut
+        self.proc.stdin.write(json.dumps({"input_ids": input_ids, "rid": rid}) + "\n")
+        self.proc.stdin.flush()
+        self.loop.run_until_complete(fut)  # like Engine.generate: blocks on its loop
+        return [{"meta_info": {"id": r}, "output_ids": [0]} for r in rid]
+
+    def shutdown(self):  # as Engine.shutdown: the watchdog first, then the process tree
+        self.tokenizer_manager._subprocess_watchdog.stop()
+        self.shut = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _expected(seq: list[int], aux: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(seq)
+
+    def state(k):
+        return ids[:, None].float() * (k + 1) + torch.arange(H).float()[None] / H
+
+    return torch.cat([state(k) for k in aux], -1), state(99)
+
+
+@pytest.fixture()
+def target(tmp_path, tiny_llama_config):
+    d = tmp_path / "tiny-llama"
+    tiny_llama_config.torch_dtype = torch.float32
+    tiny_llama_config.save_pretrained(d)
+    return TargetConfig(model=str(d), backend="sglang", tp_size=1, dtype="float32", aux_layers=[2, 3, 4],
+                        sglang={"capture_dir": str(tmp_path / "shm")})
+
+
+def test_scheduler_sigkill_mid_capture_restarts_and_loses_nothing(target, monkeypatch):
+    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    FakeSGLangEngine.started.clear()
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=FakeSGLangEngine)
+    first = FakeSGLangEngine.started[0]
+    assert engine._procs == {first.proc.pid}  # the engine knows the process it has to watch
+    assert first.tokenizer_manager._subprocess_watchdog._thread is None  # stopped: it would SIGQUIT us
+    first_dir = engine._dir
+    batches = [[[b * 10 + i + 3] * (5 + i) for i in range(3)] for b in range(6)]
+
+    got: list[list] = []
+
+    def extract():
+        for batch in batches:
+            got.append(engine.capture(batch))
+
+    worker = threading.Thread(target=extract)
+    worker.start()
+    while len(got) < 2:
+        time.sleep(0.01)
+    time.sleep(0.05)  # batch 3 is inside the scheduler now
+    os.kill(first.proc.pid, signal.SIGKILL)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+
+    assert engine.restarts == 1 and len(FakeSGLangEngine.started) == 2 and first.shut
+    assert not first_dir.exists() and engine._dir != first_dir  # the dead engine's files went with it
+    assert len(got) == len(batches)  # every batch once, in order, each sample with its own states
+    for batch, caps in zip(batches, got):
+        assert len(caps) == len(batch)
+        for seq, cap in zip(batch, caps):
+            aux, last = _expected(seq, [2, 3, 4])
+            assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
+    engine.close()
+    assert FakeSGLangEngine.started[1].shut and not list(Path(target.sglang.capture_dir).iterdir())
+
+
+def test_engine_gives_up_after_max_restarts(target, monkeypatch):
+    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    FakeSGLangEngine.started.clear()
+
+    def dying(**kw):  # every scheduler dies before answering
+        fake = FakeSGLangEngine(delay=30.0, **kw)
+        threading.Timer(1.0, fake.proc.kill).start()
+        return fake
+
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=dying, max_restarts=1)
+    with pytest.raises(EngineError, match="died 2 times.*max_restarts=1"):
+        engine.capture([[5, 6, 7]])
+    assert engine.restarts == 1 and len(FakeSGLangEngine.started) == 2
+    engine.close()
+
+
+def test_an_error_from_a_live_engine_is_not_retried(target, monkeypatch):
+    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+
+    class Refusing(FakeSGLangEngine):
+        def generate(self, input_ids, sampling_params, rid):
+            raise ValueError("input too long")
+
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=Refusing)
+    with pytest.raises(ValueError, match="input too long"):
+        engine.capture([[5, 6, 7]])
+    assert engine.restarts == 0
+    engine.close()
