@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="first compare loss and gradients of sdpa and flex on a packed batch of 3 samples")
     ap.add_argument("--sync-check", action="store_true",
                     help="count the host synchronisations of one step (CUDA only: torch.cuda.set_sync_debug_mode)")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="after the timed steps, N more with the device synchronised between forward, "
+                         "backward and optimizer step: the mean seconds of each")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
@@ -184,6 +187,30 @@ def count_syncs(fn) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def breakdown(step, batch: dict, n: int, sync) -> dict[str, float]:
+    """Mean seconds of the step's parts over ``n`` steps, the device synchronised after each part:
+    `forward` (the TTT unroll and loss), `backward` (the engine's: DeepSpeed's gradient hooks and
+    reduction included) and `optimizer` (the engine's step: clipping, AdamW, DeepSpeed's master
+    weights). What `TrainStep.__call__` runs, taken apart; their sum exceeds the timed step, which
+    overlaps host and device work."""
+    total = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        out = step.forward(batch)
+        sync()
+        t1 = time.perf_counter()
+        step.engine.backward(out.loss)
+        sync()
+        t2 = time.perf_counter()
+        step.engine.step()
+        sync()
+        t3 = time.perf_counter()
+        for k, dt in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2)):
+            total[k] += dt / n
+    return total
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     from eagle3_ray.train.step import StepConfig, TrainStep
@@ -227,6 +254,7 @@ def main(argv=None) -> int:
             step(batch)
         sync()
         seconds = (time.perf_counter() - t0) / a.steps
+        parts = breakdown(step, batch, a.breakdown, sync) if a.breakdown else None
         r = {
             "step_seconds": seconds,
             "tokens_per_s": seq / seconds,
@@ -235,10 +263,13 @@ def main(argv=None) -> int:
             # everything the step holds: weights, optimizer state (and master weights), activations
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "host_syncs_per_step": syncs,
+            "breakdown_seconds": parts,
         }
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
+        parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
         print(f"[{a.engine} {attention}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
-              f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}", flush=True)
+              f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
+              + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
         return r
 
     modes: dict[str, dict] = {}

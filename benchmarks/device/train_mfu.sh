@@ -16,6 +16,10 @@
 #   3. if time is left: DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and
 #      Kimi ZeRO-2, with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
 #
+# PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call, e.g. a
+# second call: PHASES="ds_8b_zero1 ds_kimi_zero2 loop" LOOP_RUNS=kimi:1,8b:2 (write to another OUT).
+# The bare and DeepSpeed phases also time 3 steps taken apart (forward, backward, optimizer step).
+#
 # $OUT gets two files, rewritten after every phase: train_mfu.json (the summary keys train_mfu_bare_8b,
 # train_mfu_loop_8b, train_mfu_bare_kimi, train_mfu_loop_kimi, train_peak_gib_kimi, ... and every
 # phase's full JSON under "parts") and train_mfu.log (every phase's output).
@@ -27,6 +31,7 @@ DEVICE=${DEVICE:-cuda}
 PEAK_TFLOPS=${PEAK_TFLOPS:-785}
 BUDGET_S=${BUDGET_S:-285}
 LOOP_RUNS=${LOOP_RUNS:-8b:1,kimi:preset,kimi:1,8b:2}
+PHASES=${PHASES:-bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2}
 mkdir -p "$OUT"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/train_mfu.XXXXXX")
 LOG="$OUT/train_mfu.log"
@@ -40,6 +45,7 @@ say() { echo "[train_mfu $(($SECONDS - START))s] $*" | tee -a "$LOG"; }
 # phase NAME MIN_S CAP_S CMD...: run CMD with a timeout of min(CAP_S, time left - 5) if at least MIN_S is left
 phase() {
   local name=$1 min_s=$2 cap_s=$3; shift 3
+  case " $PHASES " in *" $name "*) ;; *) return ;; esac
   local l; l=$(left)
   if [ "$l" -lt "$min_s" ]; then
     say "$name: skipped ($l s left, needs $min_s)"
@@ -78,11 +84,13 @@ for shape in ("8b", "kimi"):
     s[f"train_tokens_per_s_bare_{shape}"] = get(f"bare_{shape}", "tokens_per_s")
     s[f"train_peak_gib_bare_{shape}"] = get(f"bare_{shape}", "peak_memory_gib")
     s[f"train_host_syncs_bare_{shape}"] = get(f"bare_{shape}", "host_syncs_per_step")
+    s[f"train_parts_s_bare_{shape}"] = get(f"bare_{shape}", "breakdown_seconds")
 s["train_peak_gib_kimi"] = s["train_peak_gib_bare_kimi"]
 for name, part in (("8b_zero1", "ds_8b_zero1"), ("kimi_zero2", "ds_kimi_zero2")):
     s[f"train_mfu_deepspeed_{name}"] = get(part, "mfu")
     s[f"train_peak_gib_deepspeed_{name}"] = get(part, "peak_memory_gib")
     s[f"train_host_syncs_deepspeed_{name}"] = get(part, "host_syncs_per_step")
+    s[f"train_parts_s_deepspeed_{name}"] = get(part, "breakdown_seconds")
 loop = parts.get("loop", {})
 # On CPU the loop runs the tiny shape at ZeRO-1 and 2, standing in for both shapes.
 s8, sk = ("tiny", "tiny") if device == "cpu" else ("8b", "kimi")
@@ -126,18 +134,18 @@ say "device $DEVICE, budget ${BUDGET_S}s, peak ${PEAK_TFLOPS} TFLOP/s; work dir 
 [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >> "$LOG" 2>&1
 
 phase bare_8b 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --peak-tflops "$PEAK_TFLOPS" \
-  --sync-check --json "$WORK/bare_8b.json"
+  --sync-check --breakdown 3 --json "$WORK/bare_8b.json"
 phase bare_kimi 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --peak-tflops "$PEAK_TFLOPS" \
-  --sync-check --json "$WORK/bare_kimi.json"
+  --sync-check --breakdown 3 --json "$WORK/bare_kimi.json"
 # The loop's own budget ends 50 s before the script's (a run that starts gets its cap; DeepSpeed's
 # engine without Ray uses what is left).
 L=$(left)
 phase loop 60 "$LOOP_CAP" "$PY" benchmarks/train_loop.py "${LOOP[@]}" --peak-tflops "$PEAK_TFLOPS" \
   --budget-s $(( L - 50 > 60 ? L - 50 : 60 )) --run-cap-s 130 --json "$WORK/loop.json"
 phase ds_8b_zero1 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --engine deepspeed --zero-stage 1 \
-  --peak-tflops "$PEAK_TFLOPS" --sync-check --json "$WORK/ds_8b_zero1.json"
+  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 --json "$WORK/ds_8b_zero1.json"
 phase ds_kimi_zero2 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --engine deepspeed --zero-stage 2 \
-  --peak-tflops "$PEAK_TFLOPS" --sync-check --json "$WORK/ds_kimi_zero2.json"
+  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 --json "$WORK/ds_kimi_zero2.json"
 
 summarize
 say "done; summary in $OUT/train_mfu.json"
