@@ -13,11 +13,13 @@
 #      (default 8b:1,kimi:preset,kimi:1,8b:2: ZeRO-1 and the Kimi preset's stage at both shapes, in
 #      that order; a run that does not fit in the budget is reported as skipped, one that runs out of
 #      memory with oom: true)
-#   3. if time is left: DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and
-#      Kimi ZeRO-2, with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
+#   3. if time is left (rarely in the same call: a Ray Train run's start-up takes about a minute):
+#      DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and Kimi ZeRO-2,
+#      with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
 #
-# PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call, e.g. a
-# second call: PHASES="ds_8b_zero1 ds_kimi_zero2 loop" LOOP_RUNS=kimi:1,8b:2 (write to another OUT).
+# PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call (they
+# run in the order above), e.g. a second call (another OUT):
+#     PHASES="loop ds_8b_zero1 ds_kimi_zero2" LOOP_RUNS=kimi:1,8b:2 OUT=... bash benchmarks/device/train_mfu.sh
 # The bare and DeepSpeed phases also time 3 steps taken apart (forward, backward, optimizer step).
 #
 # $OUT gets two files, rewritten after every phase: train_mfu.json (the summary keys train_mfu_bare_8b,
@@ -126,7 +128,7 @@ if [ "$DEVICE" = cpu ]; then
 else
   BARE_8B=(--preset llama3-8b --steps 10 --warmup 3)
   BARE_KIMI=(--preset kimi-k2.5 --steps 8 --warmup 3)
-  LOOP=(--runs "$LOOP_RUNS" --steps 30 --warmup-steps 10 --log-every 5)
+  LOOP=(--runs "$LOOP_RUNS" --steps 30 --warmup-steps 10 --log-every 5 --samples 4 --min-run-s 75)
   BARE_CAP=60; LOOP_CAP=400; DS_CAP=60
 fi
 
@@ -137,11 +139,10 @@ phase bare_8b 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --pe
   --sync-check --breakdown 3 --json "$WORK/bare_8b.json"
 phase bare_kimi 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --peak-tflops "$PEAK_TFLOPS" \
   --sync-check --breakdown 3 --json "$WORK/bare_kimi.json"
-# The loop's own budget ends 50 s before the script's (a run that starts gets its cap; DeepSpeed's
-# engine without Ray uses what is left).
+# The loop's budget is the script's; DeepSpeed's engine without Ray gets what is left after it.
 L=$(left)
 phase loop 60 "$LOOP_CAP" "$PY" benchmarks/train_loop.py "${LOOP[@]}" --peak-tflops "$PEAK_TFLOPS" \
-  --budget-s $(( L - 50 > 60 ? L - 50 : 60 )) --run-cap-s 130 --json "$WORK/loop.json"
+  --budget-s $(( L - 10 > 60 ? L - 10 : 60 )) --run-cap-s 130 --json "$WORK/loop.json"
 phase ds_8b_zero1 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --engine deepspeed --zero-stage 1 \
   --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 --json "$WORK/ds_8b_zero1.json"
 phase ds_kimi_zero2 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --engine deepspeed --zero-stage 2 \
