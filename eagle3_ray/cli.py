@@ -11,10 +11,20 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tempfile
 from pathlib import Path
 
-from eagle3_ray.errors import Eagle3Error
+from eagle3_ray import errors
+from eagle3_ray.config import load_config
+from eagle3_ray.errors import ConfigError, Eagle3Error
+from eagle3_ray.metrics import record_bench
+from eagle3_ray.out_lock import out_lock
+from eagle3_ray.preflight import check_command
 from eagle3_ray.progress import configure_logging
+from eagle3_ray.ray_session import init_ray
+
+# The stage modules (Ray, torch, transformers) are imported by the command that runs them, so that
+# `--help`, a bad argument or a refused path answers without loading them.
 
 DEFAULT_CONFIG = "configs/demo-smollm2.yaml"
 
@@ -60,15 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from eagle3_ray.config import load_config
-
     overrides = list(args.overrides or [])
     return load_config(args.config, overrides)
 
 
 def _ray(cfg):
-    from eagle3_ray.ray_session import init_ray
-
     return init_ray(cfg.ray)
 
 
@@ -111,8 +117,6 @@ def _from_remote_text(text: str) -> Eagle3Error | None:
     """The Eagle3Error a Ray error carries only as text. An actor whose constructor raised reaches the
     caller as ActorDiedError, holding the creation task's traceback as a string and no exception object
     (Ray 2.x); the error is rebuilt from the traceback's last line (its message runs to the end)."""
-    import eagle3_ray.errors as errors
-
     matches = list(_REMOTE_ERROR.finditer(text))
     if not matches:
         return None
@@ -138,10 +142,6 @@ def _one_line(e: Exception) -> str:
 
 def _writable_out(out: str) -> None:
     """Refuse an unusable --out before Ray starts, instead of a traceback from the first write."""
-    import tempfile
-
-    from eagle3_ray.errors import ConfigError
-
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -154,8 +154,6 @@ def _writable_out(out: str) -> None:
 
 
 def _dispatch(args) -> int:
-    from eagle3_ray.preflight import check_command
-
     cmd = args.command
     cfg = None if cmd == "export" else _load(args)
     # Every path and model argument, before Ray starts (or --out is created): eagle3_ray/preflight.py.
@@ -174,8 +172,6 @@ def _dispatch(args) -> int:
         _ray(cfg)
         run_pipeline(cfg, data=args.data, out=args.out or f"runs/{cfg.name}", stop_after=args.stop_after)
         return 0
-    from eagle3_ray.out_lock import out_lock
-
     with out_lock(args.out, cmd):  # before Ray starts: a second writer is refused at once
         return _stage_command(cmd, cfg, args)
 
@@ -208,8 +204,6 @@ def _stage_command(cmd: str, cfg, args) -> int:
         run_training(cfg, features=args.features, vocab=vocab, out=args.out)
     elif cmd == "bench":
         from eagle3_ray.bench.runner import run_bench
-
-        from eagle3_ray.metrics import record_bench
 
         record_bench(run_bench(cfg, drafter=args.drafter, prompts=args.prompts, out=args.out), cfg.name)
     return 0

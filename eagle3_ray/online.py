@@ -24,18 +24,31 @@ import hashlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
+import ray
+import ray.train
+import torch
+from ray.data import ExecutionOptions, ExecutionResources
 
+from eagle3_ray import metrics
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.errors import ConfigError, DataError
+from eagle3_ray.data.vocab import build_vocab_map, count_tokens, save_vocab_map, vocab_fingerprint
+from eagle3_ray.engines.describe import describe_target
+from eagle3_ray.errors import ConfigError, DataError, SampleRejected
+from eagle3_ray.extract.pipeline import prepared_path
 from eagle3_ray.extract.udfs import CaptureUDF
+from eagle3_ray.extract.vocab_stage import VOCAB_FILE, data_fingerprint
+from eagle3_ray.features import open_store
+from eagle3_ray.features.record import bf16_to_uint16, validate_record
+from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta, create_store
 from eagle3_ray.progress import say
-
-if TYPE_CHECKING:
-    from eagle3_ray.features.store import StoreMeta
+from eagle3_ray.train.data import build_train_dataset, pack_rows
+from eagle3_ray.train.packing import Pack, collate
+from eagle3_ray.train.trainer import _use_gpu, build_job, fit
 
 PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
 
@@ -49,10 +62,6 @@ def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
 
 def read_prepared(prepared: str | Path):
     """(sample_ids [N], lengths int64 [N], input_ids [N] int32 arrays, loss_mask [N] uint8 arrays)."""
-    import pyarrow.parquet as pq
-
-    from eagle3_ray.extract.pipeline import prepared_path
-
     src = prepared_path(prepared)
     if src is None:
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
@@ -64,18 +73,12 @@ def read_prepared(prepared: str | Path):
 
 def _data_fingerprint(sample_ids: list[str], lengths: np.ndarray) -> str:
     """The offline store's fingerprint of the same samples (vocab cache key and run identity)."""
-    from eagle3_ray.extract.vocab_stage import data_fingerprint
-
     return data_fingerprint(SimpleNamespace(sample_ids=sample_ids, lengths=lengths))
 
 
 def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> Path:
     """The vocab map from the prepared data's loss-masked tokens: no hidden states needed, so it is
     ready before the first capture. Same counts, same map as `run_vocab` over a complete store."""
-    from eagle3_ray.data.vocab import build_vocab_map, count_tokens, save_vocab_map, vocab_fingerprint
-    from eagle3_ray.engines.describe import describe_target
-    from eagle3_ray.extract.vocab_stage import VOCAB_FILE
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
@@ -118,9 +121,6 @@ def check_resource_split(cfg: PipelineConfig, cluster: dict[str, float], use_gpu
 
 def streaming_data_config(cfg: PipelineConfig):
     """Ray Train ingest options that cap the object-store bytes of streamed features."""
-    import ray.train
-    from ray.data import ExecutionOptions, ExecutionResources
-
     limits = ExecutionResources(object_store_memory=cfg.extract.max_bytes_in_flight)
     return ray.train.DataConfig(execution_options=ExecutionOptions(resource_limits=limits))
 
@@ -129,9 +129,10 @@ class PackCaptureUDF(CaptureUDF):
     """Engine actor of online/hybrid mode: rows {key, samples} in, packed micro-batch rows out.
 
     Loads the prepared token ids once; each call captures every sample of its packs in one engine
-    call, drops samples that fail record validation (counted as rejects), and, in hybrid mode,
-    commits them to the feature store under a writer id derived from the pack keys (a retried call
-    finds its shard and does not write it twice).
+    call (the engine actor of `CaptureUDF`: its engine, not its numpy rows), drops samples that fail
+    record validation (counted as rejects), and, in hybrid mode, commits them to the feature store
+    under a writer id derived from the pack keys (a retried call finds its shard and does not write
+    it twice). Hidden states stay bf16 tensors until the packed row leaves the actor.
     """
 
     def __init__(self, prepared: str, target_cfg: dict[str, Any], batch_tokens: int, meta: StoreMeta,
@@ -143,8 +144,7 @@ class PackCaptureUDF(CaptureUDF):
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         packs = [np.asarray(s, dtype=np.int64) for s in batch["samples"]]
         flat = np.concatenate(packs)  # prepared indices of every sample in this call
-        captured = super().__call__({"input_ids": _ragged([self.ids[i] for i in flat])})
-        records = [self._record(i, a, h) for i, a, h in zip(flat, captured["aux_hidden"], captured["last_hidden"])]
+        records = [self._record(i, c) for i, c in zip(flat, self._capture([self.ids[i].tolist() for i in flat]))]
         keep = self._validate_or_store(records, batch["key"])
         rows, start = [], 0
         for pack in packs:
@@ -154,25 +154,26 @@ class PackCaptureUDF(CaptureUDF):
         ok = [i for i, r in enumerate(rows) if r is not None]
         return {"key": batch["key"][ok], **{k: _ragged([rows[i][k] for i in ok]) for k in PACKED_KEYS}}
 
-    def _record(self, i: int, aux: np.ndarray, last: np.ndarray) -> dict[str, Any]:
-        import torch
+    def _capture(self, seqs: list[list[int]]) -> list:
+        """The engine's captures of `seqs`, counted on the dashboard as `CaptureUDF` counts its own."""
+        t0 = time.monotonic()
+        captures = self.engine.capture(seqs)
+        tokens = sum(len(q) for q in seqs)
+        metrics.inc("samples", len(seqs), self.run, self.stage)
+        metrics.inc("tokens", tokens, self.run, self.stage)
+        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
+        return captures
 
-        from eagle3_ray.features.record import uint16_to_bf16
-
+    def _record(self, i: int, capture) -> dict[str, Any]:
         return {
             "sample_id": self.sample_ids[i],
             "input_ids": torch.from_numpy(self.ids[i]),  # [T] int32
             "loss_mask": torch.from_numpy(self.masks[i]),  # [T] uint8
-            "aux_hidden": uint16_to_bf16(np.ascontiguousarray(aux)),  # [T, 3H] bf16
-            "last_hidden": uint16_to_bf16(np.ascontiguousarray(last)),  # [T, H] bf16
+            "aux_hidden": capture.aux_hidden.to(torch.bfloat16),  # [T, 3H]
+            "last_hidden": capture.last_hidden.to(torch.bfloat16),  # [T, H]
         }
 
     def _validate_or_store(self, records: list[dict[str, Any]], keys: np.ndarray) -> list[bool]:
-        from eagle3_ray import metrics
-        from eagle3_ray.errors import SampleRejected
-        from eagle3_ray.features.record import validate_record
-        from eagle3_ray.features.store import FeatureStoreWriter
-
         keep = []
         if self.store_root is None:
             for rec in records:
@@ -199,21 +200,12 @@ class PackCaptureUDF(CaptureUDF):
 
 def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """Records -> one packed row in the layout of train/data.py (bf16 as uint16)."""
-    import torch
-
-    from eagle3_ray.features.record import bf16_to_uint16
-    from eagle3_ray.train.packing import collate
-
     packed = collate(records)
     return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
 def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMeta, store_root: str | None):
     """Ray Data pipeline: pack rows -> engine actor pool -> packed micro-batch rows."""
-    import ray
-
-    from eagle3_ray.train.data import pack_rows
-
     rows = pack_rows(packs)
     packs_per_call = max(1, cfg.extract.batch_tokens // cfg.train.batch_tokens)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // packs_per_call, 1000)))
@@ -233,8 +225,6 @@ def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMet
 
 def _store_packs(packs, sample_ids: list[str], store) -> list:
     """Prepared-index packs -> store-index packs (samples the store rejected are left out)."""
-    from eagle3_ray.train.packing import Pack
-
     where = {sid: k for k, sid in enumerate(store.sample_ids)}
     out = []
     for p in packs:
@@ -248,14 +238,6 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
                         features: str | Path | None = None) -> Path:
     """Train with features streamed from the engine actors (online), or streamed for epoch 0 and
     written to `features` for the later epochs (hybrid); returns the final checkpoint directory."""
-    import ray
-
-    from eagle3_ray.engines.describe import describe_target
-    from eagle3_ray.features import open_store
-    from eagle3_ray.features.store import StoreMeta, create_store
-    from eagle3_ray.train.data import build_train_dataset
-    from eagle3_ray.train.trainer import _use_gpu, build_job, fit
-
     hybrid = cfg.train.mode == "hybrid"
     if cfg.train.val_share:
         raise ConfigError(f"train.val_share={cfg.train.val_share} holds samples out of an offline feature store; "

@@ -88,3 +88,35 @@ def test_hybrid_streams_epoch_0_into_the_store_then_trains_later_epochs_from_it(
     consumed = consumed_packs(ckpt)
     assert consumed == {p.key for p in packs}
     assert read_train_state(ckpt)["step"] == len(packs)
+
+
+def test_the_pack_capture_actor_packs_what_the_engine_captures(prepared):
+    """PackCaptureUDF (called in-process, as a Ray Data actor calls it) packs each pack's samples with
+    the engine's own captures, bf16 bit for bit, in the packed-row layout the workers read."""
+    import torch
+
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.features.record import uint16_to_bf16
+    from eagle3_ray.features.store import StoreMeta
+    from eagle3_ray.online import PACKED_KEYS, PackCaptureUDF, read_prepared
+
+    cfg = load_config(CI_CONFIG)
+    meta = StoreMeta.from_engine_info(describe_target(cfg.target))
+    udf = PackCaptureUDF(str(prepared), cfg.target.model_dump(), cfg.extract.batch_tokens, meta)
+    _, _, ids, masks = read_prepared(prepared)
+    packs = [np.asarray([2, 0]), np.asarray([1])]
+    samples = np.empty(2, dtype=object)
+    samples[0], samples[1] = packs
+    rows = udf({"key": np.asarray(["0:0", "0:1"]), "samples": samples})
+    assert list(rows["key"]) == ["0:0", "0:1"] and set(PACKED_KEYS) <= set(rows)
+    flat = np.concatenate(packs)  # one engine call, as the actor makes it
+    by_sample = dict(zip(flat.tolist(), udf.engine.capture([ids[i].tolist() for i in flat])))
+    for r, pack in enumerate(packs):
+        caps = [by_sample[i] for i in pack.tolist()]
+        want_aux = torch.cat([c.aux_hidden.to(torch.bfloat16) for c in caps])
+        want_last = torch.cat([c.last_hidden.to(torch.bfloat16) for c in caps])
+        assert torch.equal(uint16_to_bf16(np.ascontiguousarray(rows["aux_hidden"][r])), want_aux)
+        assert torch.equal(uint16_to_bf16(np.ascontiguousarray(rows["last_hidden"][r])), want_last)
+        assert np.array_equal(rows["input_ids"][r], np.concatenate([ids[i] for i in pack]))
+        assert np.array_equal(rows["loss_mask"][r].astype(bool), np.concatenate([masks[i] for i in pack]).astype(bool))
+        assert np.array_equal(rows["seq_ids"][r], np.repeat(np.arange(len(pack)), [len(ids[i]) for i in pack]))
