@@ -14,14 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle3_ray import errors
+from eagle3_ray import errors, ray_session
 from eagle3_ray.config import load_config
 from eagle3_ray.errors import ConfigError, Eagle3Error
 from eagle3_ray.metrics import record_bench
 from eagle3_ray.out_lock import out_lock
 from eagle3_ray.preflight import check_command
 from eagle3_ray.progress import configure_logging
-from eagle3_ray.ray_session import init_ray
 
 # The stage modules (Ray, torch, transformers) are imported by the command that runs them, so that
 # `--help`, a bad argument or a refused path answers without loading them.
@@ -75,7 +74,7 @@ def _load(args):
 
 
 def _ray(cfg):
-    return init_ray(cfg.ray)
+    return ray_session.init_ray(cfg.ray)
 
 
 def main(argv: list[str] | None = None) -> int:
