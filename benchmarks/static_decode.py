@@ -9,6 +9,9 @@ Random weights (speed does not depend on them); bf16; EOS off so every run makes
 chain/tree figures here are the cost of a verify cycle (drafting + verify + rollback), not a
 speedup; tokens/s of real drafters is in quality_smollm2.py. Every mode's output is compared with
 the eager greedy output (bf16: near-ties may flip between kernels; the count is reported).
+``<mode>_static`` drafts through the StaticTarget's graphed StaticProposer, ``<mode>_static_eager_draft``
+through the eager Eagle3Proposer; ``ms_per_cycle_parts`` splits a cycle into draft / verify /
+accept / commit (SpecStats.parts).
 """
 
 from __future__ import annotations
@@ -57,12 +60,18 @@ def main(argv=None) -> int:
                              top_p=None, top_k=None, temperature=None)
         return out[0, a.prompt_tokens:].tolist(), clock.seconds()
 
-    def ours(target, mode):
+    parts: dict[str, dict[str, float]] = {}
+
+    def ours(target, mode, name=None, draft_graphs=True):
+        if isinstance(target, spec.StaticTarget):
+            target.draft_graphs = draft_graphs
         if mode == "plain":
             toks, st = spec.target_generate(target, prompt, n, eos_token_id=[])
         else:
             params = {"chain": dict(num_steps=3), "tree": dict(topk=8, depth=6, total_tokens=48)}[mode]
             toks, st = spec.generate(target, drafter, prompt, n, mode=mode, eos_token_id=[], **params)
+        if name:
+            parts[name] = {k: 1000 * v / max(st.verify_steps, 1) for k, v in st.parts.items() if k != "prefill"}
         return toks, st.seconds, st.verify_steps
 
     t = time.perf_counter()
@@ -72,6 +81,7 @@ def main(argv=None) -> int:
             ours(static, mode)
         result["capture_seconds"] = time.perf_counter() - t
         result["graph_widths"] = static.captured
+        result["drafter_graphs"] = [str(k) for _, p in static._proposers.values() for k in p.captured]
     except Exception:  # noqa: BLE001 - report it and measure the eager static path instead
         result["capture_error"] = traceback.format_exc()
         print(result["capture_error"], flush=True)
@@ -79,8 +89,10 @@ def main(argv=None) -> int:
     ref, _ = hf()
     runs = {"hf_generate": lambda: (*hf(), n)}
     for mode in ("plain", "chain", "tree"):
-        runs[f"{mode}_eager"] = lambda mode=mode: ours(model, mode)
-        runs[f"{mode}_static"] = lambda mode=mode: ours(static, mode)
+        runs[f"{mode}_eager"] = lambda mode=mode: ours(model, mode, f"{mode}_eager")
+        runs[f"{mode}_static"] = lambda mode=mode: ours(static, mode, f"{mode}_static")
+        if mode != "plain":
+            runs[f"{mode}_static_eager_draft"] = lambda mode=mode: ours(static, mode, f"{mode}_static_eager_draft", False)
     for name, fn in runs.items():
         fn()  # warm-up
         times, differ, cycles = [], 0, 0
@@ -90,7 +102,8 @@ def main(argv=None) -> int:
             differ += int(toks != ref)
         best = min(times)
         result["modes"][name] = {"tokens_per_s": n / best, "ms_per_forward": 1000 * best / max(cycles, 1),
-                                 "target_forwards": cycles, "seconds": times, "runs_differing_from_hf": differ}
+                                 "target_forwards": cycles, "seconds": times, "runs_differing_from_hf": differ,
+                                 "ms_per_cycle_parts": parts.get(name)}
         print(f"{name:14s} {n / best:8.1f} tok/s  {1000 * best / max(cycles, 1):7.2f} ms/cycle  differ {differ}",
               flush=True)
     if a.profile:

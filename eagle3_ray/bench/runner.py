@@ -63,20 +63,23 @@ class BenchActor:
                                      "drafter": drafter_dir, "dtype": str(self.target.dtype).removeprefix("torch."),
                                      "graphed_baseline": False, "draft_graphs": False}
         self._static = None  # the StaticTarget (CUDA), built on first use
+        # The StaticTarget off CUDA too (eager there): how CPU runs exercise the static code path.
+        self.static_off_cuda = False
 
     def _decoding_target(self, b: BenchConfig):
         """The model, or on CUDA with ``bench.cuda_graphs`` one StaticTarget shared by every mode
         (drafting through its graphed StaticProposer when ``bench.draft_graphs``)."""
-        if not (b.cuda_graphs and self.target.device.type == "cuda"):
+        if not (b.cuda_graphs and (self.target.device.type == "cuda" or self.static_off_cuda)):
             self.info.update(graphed_baseline=False, draft_graphs=False)
             return self.target.model
         if self._static is None or self._static.max_length != b.max_length:
             from eagle3_ray.spec import StaticTarget
 
             self._static = StaticTarget(self.target.model, self.drafter.config.aux_layers, max_length=b.max_length)
-            self.info["static_target"] = f"CUDA graphs, max_length {b.max_length}"
+            self.info["static_target"] = f"CUDA graphs {self._static.cuda_graphs}, max_length {b.max_length}"
         self._static.draft_graphs = b.draft_graphs
-        self.info.update(graphed_baseline=True, draft_graphs=b.draft_graphs)
+        graphs = self._static.cuda_graphs  # False off CUDA: the same functions run eagerly
+        self.info.update(graphed_baseline=graphs, draft_graphs=graphs and b.draft_graphs)
         return self._static
 
     def describe(self) -> dict[str, Any]:
