@@ -1,0 +1,528 @@
+"""The SGLang engine on the H200, second call (issue 17 remainder, issue 24 item 3), SGLang 0.5.17.
+
+One call, parts run in order, each in its own child process (a hung or crashed part costs only its
+own time; GPU memory is freed between parts) under what is left of --budget-s; each part writes
+$OUT/sglang2_<part>.json when it ends, and $OUT/sglang2_summary.json is rewritten after every part
+with the keys sglang_extract_ratio, sglang_generate_vs_hf, deepseek_capture_max_rel_err,
+sglang_kill_every_sample_once.
+
+  a  throughput  Llama-3.1-8B shape (dummy weights), 16 x 2048-token samples per call: sglang.Engine
+                 prefill with the capture settings and no hook, then SGLangEngine.capture (hooks, the
+                 writer thread, the mapped files, the bf16 views CaptureWriteUDF takes) with one caller
+                 and with two concurrent callers (CaptureWriteUDF's default on a GPU actor).
+  d  deepseek    a 6-layer DeepSeek-V3/Kimi-shaped target (MLA + MoE, seeded random bf16 weights saved
+                 once): SGLangEngine capture (0.5.17: layer hooks) vs HFEngine on the same ids: relative
+                 error per aux layer and last_hidden, and which HF hidden_states index each captured
+                 slot matches best (must be target.aux_layers).
+  b  kill        `eagle3-ray extract` (target.backend=sglang, Ray, SmolLM2 real weights, 1-sample
+                 batches) while a watcher SIGKILLs the SGLang scheduler after the first committed shard:
+                 the store must end with every prepared sample exactly once; whether the engine
+                 restarted inside its actor (same parent pid) or Ray restarted the actor.
+  c  generate    self-distillation of the demo prompts, DistillActor with target.backend=sglang vs hf
+                 (the static batch generator), answers/s.
+
+The SmolLM2 GGUF is converted (and part b's data prepared) in a background process at the start.
+
+    export PYTHONPATH=/tmp/site:$PWD   # and run benchmarks/device/sglang_setup.sh first
+    PYTHONUNBUFFERED=1 python3 benchmarks/device/sglang_h200_2.py --out $OUT --budget-s 330
+CPU check of the script's own paths (no SGLang engine; fakes where named):
+    python benchmarks/device/sglang_h200_2.py --out /tmp/s2 --cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "false")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks" / "device"))
+GGUF = Path("/tmp/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = Path("/tmp/smollm2")
+WORK = Path("/tmp/sglang2")
+LLAMA8B_SHAPE = REPO / "eagle3_ray/resources/llama3.1-8b-shape.json"
+ENV = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none"}
+DEEPSEEK_TINY = dict(
+    hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384,
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16,
+    num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=256,
+    intermediate_size=2048, n_group=1, topk_group=1, routed_scaling_factor=2.5, vocab_size=8192,
+    max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,
+)
+DEEPSEEK_AUX = [2, 3, 4]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def target_cfg(model: str, backend: str, cpu: bool = False, **sglang):
+    from eagle3_ray.config import TargetConfig
+
+    sg = {"extra_engine_kwargs": dict(ENV), **sglang}
+    return TargetConfig(model=model, backend=backend, device="cpu" if cpu else "cuda",
+                        dtype="float32" if cpu else "bfloat16", sglang=sg if backend == "sglang" else {})
+
+
+def fake_factory():
+    """--cpu only: the FAKE sglang.Engine of tests/sglang_contract/test_restart.py (the real one needs CUDA)."""
+    sys.path.insert(0, str(REPO / "tests" / "sglang_contract"))
+    sys.path.insert(0, str(REPO / "tests" / "sglang_contract" / "fakes"))  # SGLang 0.5.17 imports torchvision
+    from test_restart import FakeSGLangEngine
+
+    return lambda **kw: FakeSGLangEngine(delay=0.0, **kw)
+
+
+# --- background: GGUF -> HF dir, part b's conversations prepared ---------------------------------------
+
+
+def prep(a) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (SMOLLM2 / "config.json").is_file():
+        if a.cpu:
+            from eagle3_ray.engines.targets import resolve_target
+
+            src = resolve_target("smollm2").model_path  # the embedded GGUF, converted by the project
+            tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+            model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.bfloat16)
+        model.save_pretrained(SMOLLM2)
+        tok.save_pretrained(SMOLLM2)
+    log(f"smollm2 at {SMOLLM2}")
+    # Part b's data: the demo prompts with synthetic answers, several variants each (distinct samples).
+    from eagle3_ray.data.sources import resolve_data_path
+
+    prompts = [json.loads(x)["prompt"] for x in resolve_data_path("builtin:demo_prompts").read_text().splitlines()
+               if x.strip()][: 40 if a.cpu else None]
+    convs = WORK / "kill_convs.jsonl"
+    WORK.mkdir(parents=True, exist_ok=True)
+    with open(convs, "w") as f:
+        for v in range(a.kill_variants):
+            for i, p in enumerate(prompts):
+                answer = f"Variant {v}. " + " ".join([p] * (2 + (i + v) % 4))
+                f.write(json.dumps({"id": f"k{v}-{i}", "conversations": [
+                    {"role": "user", "content": p}, {"role": "assistant", "content": answer}]}) + "\n")
+    rc = run_cli(["prepare", "-c", "configs/demo-smollm2.yaml", "--data", str(convs), "--out",
+                  str(WORK / "kill_prep"), f"target.model={SMOLLM2}"], WORK / "prepare.log")
+    if rc:
+        raise RuntimeError(f"eagle3-ray prepare failed (rc {rc}): {(WORK / 'prepare.log').read_text()[-2000:]}")
+    log("part b data prepared")
+    return {"prepare_rc": rc}
+
+
+def run_cli(args: list[str], logfile: Path, timeout: float | None = None) -> int:
+    with open(logfile, "w") as f:
+        return subprocess.run([sys.executable, "-m", "eagle3_ray.cli", *args], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+
+# --- a: capture throughput ---------------------------------------------------------------------------
+
+
+def _batches(vocab: int, seq: int, per_batch: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, vocab, (seq,), generator=g).tolist() for _ in range(per_batch)] for _ in range(n)]
+
+
+def _rate(fn, batches, threads: int = 1) -> dict:
+    """Tokens/s over every batch after the first (warm-up), ``threads`` calls in flight."""
+    fn(batches[0])
+    t = time.perf_counter()
+    if threads == 1:
+        for b in batches[1:]:
+            fn(b)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fn, batches[1:]))
+    dt = time.perf_counter() - t
+    tokens = sum(len(s) for b in batches[1:] for s in b)
+    return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "threads": threads}
+
+
+def part_a(a) -> dict:
+    import torch
+
+    from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
+    from eagle3_ray.features.record import bf16_to_uint16
+
+    shape = WORK / "llama8b-shape"
+    shape.mkdir(parents=True, exist_ok=True)
+    cfg_json = json.loads(LLAMA8B_SHAPE.read_text())
+    if a.cpu:  # a tiny Llama: the same code path
+        cfg_json = json.loads((REPO / "eagle3_ray/resources/tiny-llama.json").read_text())
+        cfg_json["hidden_size"] = 64
+    (shape / "config.json").write_text(json.dumps(cfg_json))
+    model = f"random:{shape}"
+    seq, per_batch = (a.seq, a.per_batch) if not a.cpu else (64, 4)
+    batches = _batches(cfg_json["vocab_size"], seq, per_batch, a.batches)
+    cfg = target_cfg(model, "sglang", cpu=a.cpu, mem_fraction_static=0.6)
+    res: dict = {"target": "Llama-3.1-8B shape, dummy weights" if not a.cpu else "tiny (cpu check)",
+                 "seq": seq, "per_batch": per_batch, "batches": a.batches}
+    factory = fake_factory() if a.cpu else None
+
+    # SGLang's own prefill: the capture settings (radix cache off, chunked prefill off, graphs off), no hook.
+    kw = {**engine_kwargs(cfg, "generate"), "disable_radix_cache": True, "chunked_prefill_size": -1,
+          "disable_cuda_graph": True}
+    t = time.perf_counter()
+    if a.cpu:
+        plain = factory(**kw, forward_hooks=[])
+    else:
+        import sglang
+
+        plain = sglang.Engine(**kw)
+    start = time.perf_counter() - t
+    try:
+        prefill = _rate(lambda b: plain.generate(input_ids=b, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(b),
+                                                 rid=[f"p{time.monotonic_ns()}-{i}" for i in range(len(b))]), batches)
+    finally:
+        plain.shutdown()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    res["prefill"] = {**prefill, "start_s": start}
+    log(f"prefill: {res['prefill']}")
+
+    t = time.perf_counter()
+    engine = SGLangEngine(cfg, mode="capture", engine_factory=factory)
+    start = time.perf_counter() - t
+
+    def capture(b):
+        # What CaptureWriteUDF hands on to the store writer, each capture's bytes read once (as the
+        # writer does): the engine maps the hook's files, so nothing is read until something touches it.
+        for c in engine.capture(b):
+            bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)).copy()
+            bf16_to_uint16(c.last_hidden.to(torch.bfloat16)).copy()
+
+    try:
+        res["capture_1_caller"] = {**_rate(capture, batches), "start_s": start}
+        log(f"capture, 1 caller: {res['capture_1_caller']}")
+        res["capture_2_callers"] = _rate(capture, batches, threads=2)
+        log(f"capture, 2 callers: {res['capture_2_callers']}")
+        res["restarts"] = engine.restarts
+    finally:
+        engine.close()
+    p = res["prefill"]["tokens_per_s"]
+    res["ratio_1_caller"] = res["capture_1_caller"]["tokens_per_s"] / p
+    res["ratio_2_callers"] = res["capture_2_callers"]["tokens_per_s"] / p
+    res["sglang_extract_ratio"] = res["ratio_2_callers"]
+    return res
+
+
+# --- d: DeepSeek-shaped capture ----------------------------------------------------------------------
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over ``vocab`` ids (t0 .. t<vocab-1>; t2 is EOS and pad): the random
+    target needs one for the HF engine, and none of its text is read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", pad_token="t2", unk_token="t0")
+
+
+def rel_err(got, want) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def part_d(a) -> dict:
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from eagle3_ray.engines.aux_layers import translate_aux_ids
+    from eagle3_ray.engines.hf import HFEngine
+    from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
+
+    out = WORK / "deepseek-tiny"
+    dims = dict(DEEPSEEK_TINY)
+    if a.cpu:
+        dims.update(hidden_size=256, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                    v_head_dim=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=512,
+                    moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, vocab_size=1024)
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**dims)).to(torch.bfloat16)
+        model.save_pretrained(out)
+        del model
+        word_tokenizer(dims["vocab_size"]).save_pretrained(out)  # the HF engine reads EOS / pad from it
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, dims["vocab_size"], (n,), generator=g).tolist() for n in (512, 300, 1024, 77)]
+    res: dict = {"config": dims, "aux_layers": DEEPSEEK_AUX, "tokens": sum(map(len, seqs)),
+                 "sglang_ids_rule": translate_aux_ids(DEEPSEEK_AUX, "deepseek_v3", "sglang")}
+
+    def cfg(backend):
+        c = target_cfg(str(out), backend, cpu=a.cpu, mem_fraction_static=0.5)
+        return c.model_copy(update={"aux_layers": DEEPSEEK_AUX})
+
+    # HF: the features the engine captures, and every hidden_states index to match the slots against.
+    hf = HFEngine(cfg("hf"), batch_tokens=16384)
+    want = hf.capture(seqs)
+    model = hf.target.model
+    every = []
+    if True:
+        with torch.no_grad():
+            for s in seqs:
+                o = model.model(input_ids=torch.tensor([s], device=model.device), output_hidden_states=True)
+                every.append([h[0].float().cpu() for h in o.hidden_states])
+    hf.close()
+    if a.cpu:
+        got, kwargs = want, {"forward_hooks": "cpu check: no SGLang"}  # the comparison code still runs
+    else:
+        t = time.perf_counter()
+        sgl = SGLangEngine(cfg("sglang"), mode="capture")
+        res["sglang_start_s"] = time.perf_counter() - t
+        try:
+            got = sgl.capture(seqs)
+            info = sgl.info
+        finally:
+            sgl.close()
+        kwargs = engine_kwargs(cfg("sglang"), "capture", info=info, capture_dir="/dev/shm/x")
+        kwargs = [h["target_modules"] for h in kwargs["forward_hooks"]]
+    res["forward_hooks"] = kwargs
+    H = dims["hidden_size"]
+    errs: dict[str, float] = {}
+    for gc, wc in zip(got, want):
+        assert gc.aux_hidden.shape == wc.aux_hidden.shape, (gc.aux_hidden.shape, wc.aux_hidden.shape)
+        for j, (ga, wa) in enumerate(zip(gc.aux_hidden.split(H, -1), wc.aux_hidden.split(H, -1))):
+            errs[f"aux{j}"] = max(errs.get(f"aux{j}", 0.0), rel_err(ga, wa))
+        errs["last_hidden"] = max(errs.get("last_hidden", 0.0), rel_err(gc.last_hidden, wc.last_hidden))
+    res["rel_err_sglang_vs_hf"] = errs
+    res["deepseek_capture_max_rel_err"] = max(errs.values())
+    if every:  # which HF index each captured slot is closest to (a wrong rule shows as another index)
+        matched = []
+        for j in range(len(DEEPSEEK_AUX)):
+            per_k = [sum(rel_err(gc.aux_hidden.split(H, -1)[j], hs[k]) for gc, hs in zip(got, every)) / len(got)
+                     for k in range(len(every[0]))]
+            matched.append(min(range(len(per_k)), key=per_k.__getitem__))
+            res.setdefault("rel_err_slot_vs_every_hf_index", []).append(per_k)
+        res["matched_hf_indices"] = matched
+        res["aux_ids_rule_ok"] = matched == DEEPSEEK_AUX
+    return res
+
+
+# --- b: SIGKILL of the scheduler mid-extraction --------------------------------------------------------
+
+
+def _schedulers():
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):
+        cmd = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+        if cmd.startswith("sglang::scheduler") or (p.info["name"] or "").startswith("sglang::sched"):
+            out.append((p.info["pid"], p.info["ppid"]))
+    return out
+
+
+def part_b(a) -> dict:
+    import signal
+
+    from eagle3_ray.features.store import manifest
+
+    prepared = WORK / "kill_prep"
+    store = WORK / "kill_store"
+    if store.exists():
+        import shutil
+
+        shutil.rmtree(store)
+    backend = "hf" if a.cpu else "sglang"
+    overrides = [f"target.model={SMOLLM2}", f"target.backend={backend}", "extract.batch_tokens=1024",
+                 "extract.num_actors=1", "ray.num_cpus=8" if not a.cpu else "ray.num_cpus=4"]
+    if not a.cpu:
+        overrides += ["extract.num_gpus_per_actor=1", "target.sglang.mem_fraction_static=0.5",
+                      "target.sglang.extra_engine_kwargs=" + json.dumps(ENV)]
+    killed: dict = {}
+
+    def watcher():
+        first = None
+        while "stop" not in killed:
+            if a.cpu:
+                return
+            scheds = _schedulers()
+            if scheds and store.exists() and len(manifest(store)) >= a.kill_after_shards:
+                first = scheds[0]
+                os.kill(first[0], signal.SIGKILL)
+                killed.update(pid=first[0], parent=first[1], at=time.time(), shards_before=len(manifest(store)))
+                break
+            time.sleep(0.05)
+        while "stop" not in killed:  # the scheduler that replaces it, and who started it
+            scheds = [s for s in _schedulers() if s[0] != killed.get("pid")]
+            if scheds:
+                killed.update(new_pid=scheds[0][0], new_parent=scheds[0][1], new_after_s=time.time() - killed["at"])
+                return
+            time.sleep(0.1)
+
+    th = threading.Thread(target=watcher, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    rc = run_cli(["extract", "-c", "configs/demo-smollm2.yaml", "--data", str(prepared), "--out", str(store),
+                  *overrides], Path(a.out) / "sglang2_kill_extract.log", timeout=max(30, a.part_timeout - 15))
+    killed["stop"] = True
+    th.join(timeout=5)
+    killed.pop("stop", None)
+    res: dict = {"rc": rc, "seconds": time.perf_counter() - t, "kill": killed, "backend": backend}
+    import pyarrow.parquet as pq
+
+    from eagle3_ray.extract.pipeline import prepared_path
+
+    want = pq.read_table(prepared_path(prepared), columns=["sample_id"]).column("sample_id").to_pylist()
+    ids = [sid for m in manifest(store) for sid in m["sample_ids"]]
+    res.update(prepared=len(want), stored=len(ids), distinct=len(set(ids)), missing=len(set(want) - set(ids)),
+               duplicates=len(ids) - len(set(ids)), killed_mid_run=bool(killed.get("pid")))
+    res["engine_restarted_in_its_actor"] = (killed.get("parent") == killed.get("new_parent")) if killed.get("pid") else None
+    res["sglang_kill_every_sample_once"] = (rc == 0 and res["missing"] == 0 and res["duplicates"] == 0
+                                            and len(ids) == len(want) and (a.cpu or res["killed_mid_run"]))
+    return res
+
+
+# --- c: self-distillation, SGLang vs HF -----------------------------------------------------------------
+
+
+def part_c(a) -> dict:
+    import torch
+
+    from eagle3_ray.config import GenerateConfig
+    from eagle3_ray.data.sources import read_samples, resolve_data_path
+    from eagle3_ray.extract.generate_stage import DistillActor
+
+    n = a.prompts if not a.cpu else 4
+    samples = [vars(s) for s in read_samples(resolve_data_path("builtin:demo_prompts"), "auto", n, None)]
+    samples = [{"sample_id": s["sample_id"], "messages": s["messages"], "source": s["source"]} for s in samples]
+    gen = GenerateConfig(max_new_tokens=a.new_tokens if not a.cpu else 8, batch_size=a.gen_batch).model_dump()
+    res: dict = {"prompts": len(samples), "max_new_tokens": gen["max_new_tokens"], "batch_size": a.gen_batch}
+    answers = {}
+    for backend in (("hf",) if a.cpu else ("sglang", "hf")):
+        extra = {"cuda_graph_max_bs_decode": a.gen_batch} if backend == "sglang" else {}
+        cfg = target_cfg(str(SMOLLM2), backend, cpu=a.cpu, mem_fraction_static=0.5)
+        if extra:
+            cfg.sglang.extra_engine_kwargs.update(extra)
+        t = time.perf_counter()
+        actor = DistillActor(cfg.model_dump(), 16384)
+        started = time.perf_counter() - t
+        part = WORK / f"distill-{backend}.jsonl"
+        part.unlink(missing_ok=True)
+        t = time.perf_counter()
+        summary = actor.run(samples, str(part), gen)
+        dt = time.perf_counter() - t
+        actor.close() if hasattr(actor, "close") else actor.engine.close()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        rows = [json.loads(x) for x in part.read_text().splitlines() if x.strip()]
+        answers[backend] = {r["id"]: r["conversations"][-1]["content"] for r in rows}
+        res[backend] = {"start_s": started, "seconds": dt, "answers": len(rows), "answers_per_s": len(rows) / dt,
+                        "summary": summary}
+        log(f"generate {backend}: {res[backend]}")
+    if "sglang" in answers:
+        same = [sid for sid in answers["hf"] if answers["sglang"].get(sid) == answers["hf"][sid]]
+        res["identical_answers"] = len(same) / max(1, len(answers["hf"]))
+        res["sglang_generate_vs_hf"] = res["sglang"]["answers_per_s"] / res["hf"]["answers_per_s"]
+    return res
+
+
+PARTS = {"a": ("throughput", part_a, 110), "d": ("deepseek", part_d, 50), "b": ("kill", part_b, 90),
+         "c": ("generate", part_c, 80), "prep": ("prep", prep, 0)}
+KEYS = {"a": "sglang_extract_ratio", "c": "sglang_generate_vs_hf", "d": "deepseek_capture_max_rel_err",
+        "b": "sglang_kill_every_sample_once"}
+
+
+def run_part(a) -> None:
+    name, fn, _ = PARTS[a.part]
+    t = time.perf_counter()
+    try:
+        res = {"ok": True, **fn(a)}
+    except BaseException as e:  # recorded; the driver goes on with the next part
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        log(res["traceback"])
+    res["part_seconds"] = time.perf_counter() - t
+    if a.part != "prep":
+        (Path(a.out) / f"sglang2_{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    log(f"part {a.part} ({name}) done in {res['part_seconds']:.0f}s ok={res['ok']}")
+
+
+def driver(a) -> None:
+    t0 = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, "-u", __file__, "--out", str(out), "--cpu"] if a.cpu else \
+        [sys.executable, "-u", __file__, "--out", str(out)]
+    passthrough = ["--seq", str(a.seq), "--per-batch", str(a.per_batch), "--batches", str(a.batches),
+                   "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
+                   "--kill-variants", str(a.kill_variants), "--kill-after-shards", str(a.kill_after_shards)]
+    bg_log = open(out / "sglang2_prep.log", "w")
+    bg = subprocess.Popen([*base, *passthrough, "--part", "prep"], stdout=bg_log, stderr=subprocess.STDOUT)
+    summary: dict = {"budget_s": a.budget_s, "parts": {}}
+    for p in a.parts.split(","):
+        name, _, need = PARTS[p]
+        if p in ("b", "c"):  # they need the converted model / prepared data
+            try:
+                bg.wait(timeout=max(1, a.budget_s - (time.monotonic() - t0) - need))
+            except subprocess.TimeoutExpired:
+                summary["parts"][p] = "skipped: background preparation not done"
+                continue
+        left = a.budget_s - (time.monotonic() - t0)
+        if left < need * (0 if a.cpu else 1):
+            summary["parts"][p] = f"skipped: {left:.0f}s left, the part needs about {need}s"
+            log(summary["parts"][p])
+            continue
+        log(f"part {p} ({name}), {left:.0f}s left")
+        try:
+            rc = subprocess.run([*base, *passthrough, "--part", p, "--part-timeout", str(int(left))],
+                                timeout=left).returncode
+            summary["parts"][p] = f"rc {rc}"
+        except subprocess.TimeoutExpired:
+            summary["parts"][p] = "killed at the budget"
+        f = out / f"sglang2_{name}.json"
+        if f.is_file():
+            res = json.loads(f.read_text())
+            summary[KEYS[p]] = res.get(KEYS[p])
+        summary["elapsed_s"] = time.monotonic() - t0
+        (out / "sglang2_summary.json").write_text(json.dumps(summary, indent=1))
+    if bg.poll() is None:
+        bg.kill()
+    summary["elapsed_s"] = time.monotonic() - t0
+    (out / "sglang2_summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"summary: {summary}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--budget-s", type=float, default=330)
+    p.add_argument("--parts", default="a,d,b,c", help="comma-separated, run in this order")
+    p.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
+    p.add_argument("--part-timeout", type=float, default=120, help=argparse.SUPPRESS)
+    p.add_argument("--cpu", action="store_true", help="check the script's paths on CPU (fakes, tiny shapes)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--per-batch", type=int, default=16)
+    p.add_argument("--batches", type=int, default=7)
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--gen-batch", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--kill-variants", type=int, default=4, help="part b: samples = 300 demo prompts x this")
+    p.add_argument("--kill-after-shards", type=int, default=3)
+    a = p.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.part:
+        run_part(a)
+    else:
+        driver(a)
+
+
+if __name__ == "__main__":
+    main()
