@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 # The aux-id rules live with the engines; these names stay importable from here
-# (engines/sglang.py and the drafter package import translate_aux_ids from this module).
+# (the drafter package re-exports translate_aux_ids from this module).
 from eagle3_ray.engines.aux_layers import (  # noqa: F401
     SGLANG_AUX_RULES,
     Engine,
