@@ -71,15 +71,20 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
         assert static.proposer(drafter).captured == []
 
 
-def test_static_drafter_drafts_as_the_eager_one(tiny):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-calls", "fake-graphs"])
+def test_static_drafter_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
     """Proposer level, fp32: after the prompt and after commits of every width (partial and full
     acceptance, padded to the mode's widest commit), the StaticProposer drafts exactly the eager
-    Eagle3Proposer's chains (greedy and sampled) and trees, and keeps the same drafter state."""
+    Eagle3Proposer's chains (greedy and sampled) and trees, and keeps the same drafter state; run
+    eagerly and through the graph path (FakeGraph standing in for the CUDA capture)."""
     target, drafter = tiny
     width = 3 * target.config.hidden_size
     g = torch.Generator().manual_seed(5)
     prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=7)[0])
     eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=160)
+    if graphs:
+        _use_fake_graphs(monkeypatch)
+        static.cuda_graphs = True
     with torch.inference_mode():
         aux = torch.randn(prompt.shape[0], width, generator=g)
         for p in (eager, static):
@@ -112,6 +117,7 @@ def test_static_drafter_drafts_as_the_eager_one(tiny):
             p.begin(short)
             p.extend(short, aux)
         assert eager.draft_tree(3, 4, 10).tokens.tolist() == static.draft_tree(3, 4, 10).tokens.tolist()
+    assert len(static.captured) == (4 if graphs else 0)  # chain 3, tree (3, 4), commits of 4 and 5
 
 
 def test_tree_paths_move_in_the_storage(tiny):
@@ -196,3 +202,50 @@ def test_user_errors(tiny, tiny_llama_config):
     with pytest.raises(ConfigError, match="full-attention"):
         StaticTarget(LlamaForCausalLM(sliding).eval(), max_length=32)
     assert isinstance(static.runner(), StaticRunner)
+
+
+class FakeGraph:
+    """Test double for a captured CUDA graph (capture needs CUDA): ``replay`` re-runs the function
+    on the captured input buffers and writes into the captured output tensors in place, as a replay
+    does; so the buffer plumbing around the graphs (inputs filled/copied, outputs cloned, storage
+    slots restored after a capture) runs on the CPU."""
+
+    def __init__(self, fn, buf):
+        self.fn, self.buf = fn, buf
+        self.out = fn(**buf)
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        new = self.fn(**self.buf)
+        for dst, src in zip(*(o if isinstance(o, tuple) else (o,) for o in (self.out, new))):
+            dst.copy_(src)
+
+
+def _use_fake_graphs(monkeypatch) -> list[FakeGraph]:
+    import eagle3_ray.spec.static_draft as static_draft
+
+    graphs: list[FakeGraph] = []
+
+    def fake_capture(fn, buf, device):
+        graphs.append(FakeGraph(fn, buf))
+        return graphs[-1], graphs[-1].out
+
+    monkeypatch.setattr(static_draft, "capture_graph", fake_capture)
+    return graphs
+
+
+def test_the_graph_plumbing_gives_the_eager_tokens(tiny, monkeypatch):
+    graphs = _use_fake_graphs(monkeypatch)
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=256)
+    static.proposer(drafter).cuda_graphs = True  # the graph path, with FakeGraph standing in for CUDA
+    for prompt in _prompts(2, target.config.vocab_size, seed=11):
+        ref, _ = target_generate(target, prompt, 20, eos_token_id=[])
+        for mode, params in MODES:
+            dyn, dyn_stats = generate(target, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
+            out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
+            assert out == dyn == ref and stats.accept_hist == dyn_stats.accept_hist
+    keys = static.proposer(drafter).captured
+    assert set(keys) == {("chain", 3), ("extend", 4), ("tree", 3, 4), ("extend", 5)}
+    assert all(g.replays > 0 for g in graphs)

@@ -95,8 +95,9 @@ class StaticProposer:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = StaticDrafterCache(cfg.num_key_value_heads, max_length, cfg.head_dim, self.dtype, self.device)
         self._keys = torch.arange(max_length, device=self.device)  # [S]
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object] | None] = {}
         self.captured: list[tuple] = []  # graph keys, in capture order
+        self.capture_errors: dict[str, str] = {}  # graph key -> why its capture failed (that step then runs eagerly)
         self._pad = 1  # commit width after a verify: set by the last draft (K+1 / depth+1)
         self.begin(torch.empty(0))
 
@@ -115,9 +116,8 @@ class StaticProposer:
             ids = torch.cat([ids, ids[-1:].expand(width - m)])
             aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
         self._fits(self.committed + width, f"a commit of {width}")
-        past = torch.tensor(self.committed, device=self.device)
-        last = torch.tensor(m - 1, device=self.device)
-        self.hidden = self._call(("extend", width), self._extend, {"ids": ids, "aux": aux, "past": past, "last": last},
+        self.hidden = self._call(("extend", width), self._extend,
+                                 {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
                                  graph=self.committed > 0)
         self.committed += m
 
@@ -125,12 +125,11 @@ class StaticProposer:
     def draft_chain(self, k: int, s: Sampling) -> Draft:
         self._pad = k + 1
         self._fits(self.committed + k, f"a chain of {k} drafts")
-        past = torch.tensor(self.committed, device=self.device)
         if s.greedy:
             fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
-            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": past}, graph=True)
+            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, graph=True)
             return Draft(ids.tolist(), None)
-        ids, qs = self._chain_sampled(self.hidden, past, k, s)
+        ids, qs = self._chain_sampled(self.hidden, torch.tensor(self.committed, device=self.device), k, s)
         return Draft(ids.tolist(), qs)
 
     @torch.inference_mode()
@@ -140,9 +139,8 @@ class StaticProposer:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
                               f"({self.drafter.config.draft_vocab_size}); lower it")
         self._fits(self.committed + (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}")
-        past = torch.tensor(self.committed, device=self.device)
         fn = lambda hidden, past: self._tree(hidden, past, topk, depth)  # noqa: E731
-        tokens, scores, parents = self._call(("tree", topk, depth), fn, {"hidden": self.hidden, "past": past},
+        tokens, scores, parents = self._call(("tree", topk, depth), fn, {"hidden": self.hidden, "past": self.committed},
                                              graph=True)
         return select_nodes(tokens, scores, parents, total_tokens)
 
@@ -223,21 +221,26 @@ class StaticProposer:
         return d.draft_to_target(torch.cat(all_ids)), torch.cat(all_scores), torch.cat(all_parents)
 
     # -- graphs -------------------------------------------------------------------------------
-    def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor], graph: bool):
-        """``fn(**args)``, through the graph of ``key`` when graphs are on (captured on first use)."""
+    def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int], graph: bool):
+        """``fn(**args)``, through the graph of ``key`` when graphs are on (captured on first use);
+        int arguments become 0-d long tensors."""
         entry = self._graph(key, fn, args) if graph and self.cuda_graphs else None
         if entry is None:
-            return fn(**args)
+            return fn(**{k: torch.tensor(v, device=self.device) if isinstance(v, int) else v for k, v in args.items()})
         g, buf, out = entry
         for name, value in args.items():
-            buf[name].copy_(value, non_blocking=True)
+            if isinstance(value, int):  # a count: a fill kernel, no host-to-device copy
+                buf[name].fill_(value)
+            else:
+                buf[name].copy_(value, non_blocking=True)
         g.replay()
         # Copies: the next replay overwrites the graph's outputs.
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
-    def _graph(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor]):
+    def _graph(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int]):
         if key not in self._graphs and len(self._graphs) < MAX_DRAFT_GRAPHS:
-            buf = {name: value.clone() for name, value in args.items()}
+            buf = {name: torch.tensor(value, device=self.device) if isinstance(value, int) else value.clone()
+                   for name, value in args.items()}
             # Warm-up and capture write keys into the last slots; what the generation has there is
             # saved and put back, so a capture in the middle of a generation changes nothing.
             span = {"extend": lambda: key[1], "chain": lambda: key[1], "tree": lambda: (key[2] - 1) * key[1]}[key[0]]()
@@ -246,12 +249,19 @@ class StaticProposer:
             if "last" in buf:
                 buf["last"].fill_(0)
             saved = self.cache.k[:, :, lo:].clone(), self.cache.v[:, :, lo:].clone()
-            graph, out = capture_graph(fn, buf, self.device)
-            self.cache.k[:, :, lo:].copy_(saved[0])
-            self.cache.v[:, :, lo:].copy_(saved[1])
-            self._graphs[key] = (graph, buf, out)
-            self.captured.append(key)
-            log.debug("captured the drafter graph %s", key)
+            try:
+                graph, out = capture_graph(fn, buf, self.device)
+                self._graphs[key] = (graph, buf, out)
+                self.captured.append(key)
+                log.debug("captured the drafter graph %s", key)
+            except RuntimeError as e:  # a kernel that cannot be captured: this step stays eager, said loudly
+                torch.cuda.synchronize(self.device)
+                self._graphs[key] = None
+                self.capture_errors[str(key)] = f"{type(e).__name__}: {e}"
+                log.warning("the drafter step %s could not be captured as a CUDA graph and runs eagerly: %s", key, e)
+            finally:
+                self.cache.k[:, :, lo:].copy_(saved[0])
+                self.cache.v[:, :, lo:].copy_(saved[1])
         return self._graphs.get(key)
 
     def _fits(self, slots: int, what: str) -> None:
