@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
+from pathlib import Path
 
 from eagle3_ray.config import RayConfig
+
+log = logging.getLogger(__name__)
 
 # Ray hides GPUs from tasks that ask for none, which breaks CPU-only local runs on GPU laptops less
 # than it helps; TOKENIZERS_PARALLELISM=false avoids fork warnings in Ray Data workers.
 _DEFAULT_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
+# The address of this machine's Ray node for a driver that joins a cluster (ray.init's
+# _node_ip_address). Unset, Ray guesses the address of the interface that routes outwards, which
+# is not the node's when nodes are started with --node-ip-address (e.g. several on loopback).
+NODE_IP_ENV = "EAGLE3_RAY_NODE_IP"
 
 
 def _job_env_vars() -> dict[str, str]:
@@ -38,8 +47,63 @@ def init_ray(cfg: RayConfig):
     kwargs = dict(runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True,
                   configure_logging=False)
     if address:
+        node_ip = os.environ.get(NODE_IP_ENV)
+        if node_ip:
+            kwargs["_node_ip_address"] = node_ip
         ray.init(address=address, **kwargs)
     else:
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, **kwargs)
     ray.data.DataContext.get_current().enable_progress_bars = True
     return ray
+
+
+SHARED_CHECK_TIMEOUT_S = 120
+
+
+def _read_probe(path: str) -> tuple[str, str]:
+    """(this node's address, the probe's content or "" when this node cannot read it)."""
+    import ray
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ray.util.get_node_ip_address(), f.read()
+    except OSError:
+        return ray.util.get_node_ip_address(), ""
+
+
+def check_shared_dir(path: str | Path, what: str) -> None:
+    """Refuse to start when a node of the cluster cannot see the directory ``path`` (PreflightError).
+
+    Stage outputs written by actors on every node (the feature store) must be on storage that every
+    node mounts at the same path. The driver writes a probe file with a random token there and one
+    zero-CPU task per alive node reads it back; a node that sees no file, or another file at that
+    path (a node-local directory of the same name), fails the check. A one-node cluster passes
+    without a task.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from eagle3_ray.errors import PreflightError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    path = Path(path)
+    token = secrets.token_hex(16)
+    probe = path / f".shared-check-{token[:8]}"
+    probe.write_text(token, encoding="utf-8")
+    try:
+        read = ray.remote(num_cpus=0)(_read_probe)
+        refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(str(probe)) for n in nodes]
+        seen = ray.get(refs, timeout=SHARED_CHECK_TIMEOUT_S)
+    finally:
+        probe.unlink(missing_ok=True)
+    blind = sorted(ip for ip, content in seen if content != token)
+    log.info("shared-storage check of %s: %d node(s), blind: %s", path, len(seen), blind or "none")
+    if blind:
+        raise PreflightError(
+            f"{what} {path} is not visible from Ray node(s) {', '.join(blind)} ({len(seen) - len(blind)} of "
+            f"{len(seen)} nodes see it): every node that runs this stage's actors writes there. Put it on "
+            "storage that every node mounts at the same path (NFS, a shared volume), or run on one node"
+        )

@@ -186,6 +186,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.features.preflight import check_disk
     from eagle3_ray.features.store import StoreMeta, cleanup_orphans, completed_ids, create_store, rejected_ids
     from eagle3_ray.features.record import bytes_per_token
+    from eagle3_ray.ray_session import check_shared_dir
     from eagle3_ray.progress import RateMeter
 
     t0 = time.monotonic()
@@ -214,6 +215,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     if not todo.any():
         return _finish_extract(out, t0, skipped, 0)
     check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
+    check_shared_dir(out, "--out (the feature store)")  # engine actors on every node write their shards there
 
     concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
@@ -248,7 +250,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     )
     meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
     last = time.monotonic()
+    actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+        _note_actors(actors, batch)
         ok = batch["status"] == "ok"
         meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
                      nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
@@ -258,6 +262,17 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
             last = time.monotonic()
     say(meter.line())
     return _finish_extract(out, t0, skipped, meter.rejected)
+
+
+def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
+    """Say so when an engine actor delivers its first result (the elastic pool grew, or a restarted
+    actor came back, possibly on another node)."""
+    for actor, node in zip(batch.get("actor", ()), batch.get("node", ())):
+        actor, node = str(actor), str(node)
+        if actor and actor not in actors:
+            actors[actor] = node
+            say(f"[extract] engine actor {actor[:12]} on node {node or '?'}: {len(actors)} actor(s) on "
+                f"{len(set(actors.values()))} node(s) so far")
 
 
 def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> ExtractSummary:

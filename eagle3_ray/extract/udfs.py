@@ -8,6 +8,7 @@ bf16 hidden states travel through Ray Data as uint16 views (numpy/Arrow have no 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,21 @@ class CaptureUDF:
         return {**batch, "aux_hidden": _ragged(aux), "last_hidden": _ragged(last)}
 
 
+# Fault-injection tests only: while the file this names exists, an engine actor waits after
+# committing each batch, so a test can hold a run mid-way (a node joins, a node dies) without timing.
+HOLD_ENV = "EAGLE3_EXTRACT_HOLD"
+
+
+def _ray_placement() -> tuple[dict[str, str] | None, str]:
+    """({"ip", "id"} of this process's Ray node, its actor id) in a Ray actor; (None, "") outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return None, ""
+    ctx = ray.get_runtime_context()
+    return {"ip": ray.util.get_node_ip_address(), "id": ctx.get_node_id()}, ctx.get_actor_id() or ""
+
+
 def _record_stage(run: str, stage: str, samples: int, tokens: int, rejects: int) -> None:
     from eagle3_ray import metrics
 
@@ -129,6 +145,8 @@ class CaptureWriteUDF:
         if self.engine.info.hidden_size != meta.hidden_size:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
         self.root, self.meta = root, meta
+        self.node, self.actor = _ray_placement()
+        self.hold = os.environ.get(HOLD_ENV)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import hashlib
@@ -143,14 +161,12 @@ class CaptureWriteUDF:
         wid = "b" + hashlib.sha1("\n".join(sids).encode()).hexdigest()[:16]
         lengths = np.asarray([len(a) for a in ids], dtype=np.int64)
         if batch_committed(self.root, wid):
-            return {"sample_id": batch["sample_id"], "num_tokens": lengths,
-                    "status": np.asarray(["skipped"] * len(sids), dtype=object),
-                    "reason": np.asarray([""] * len(sids), dtype=object)}
+            return self._rows(batch["sample_id"], lengths, ["skipped"] * len(sids), [""] * len(sids))
         t0 = time.monotonic()
         captures = self.engine.capture([a.tolist() for a in ids])
         self._record_capture(len(ids), int(lengths.sum()), time.monotonic() - t0)
         status, reasons = [], []
-        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=2**62) as w:
+        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=2**62, node=self.node) as w:
             for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
                 rec = {
                     "sample_id": sid,
@@ -168,9 +184,17 @@ class CaptureWriteUDF:
                     status.append("rejected")
                     reasons.append(str(e))
         self._record_store(w, lengths, status)
-        return {"sample_id": batch["sample_id"], "num_tokens": lengths,
-                "status": np.asarray(status, dtype=object), "reason": np.asarray(reasons, dtype=object)}
+        while self.hold and os.path.exists(self.hold):
+            time.sleep(0.1)
+        return self._rows(batch["sample_id"], lengths, status, reasons)
 
+    def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str]):
+        """One small row per sample: its status, and the engine actor and node that handled it."""
+        n = len(status)
+        return {"sample_id": sample_ids, "num_tokens": lengths, "status": np.asarray(status, dtype=object),
+                "reason": np.asarray(reasons, dtype=object),
+                "actor": np.asarray([self.actor] * n, dtype=object),
+                "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object)}
 
     def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
         from eagle3_ray import metrics

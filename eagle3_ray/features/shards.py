@@ -100,12 +100,16 @@ def read_marker(path: Path) -> dict[str, Any]:
     return d
 
 
-def marker_bytes(shard: Path, writer_id: str, sample_ids: list[str], tokens: int, nbytes: int, sha256: str) -> bytes:
-    """The completion marker of a published shard, as written to disk."""
+def marker_bytes(shard: Path, writer_id: str, sample_ids: list[str], tokens: int, nbytes: int, sha256: str,
+                 node: Mapping[str, str] | None = None) -> bytes:
+    """The completion marker of a published shard, as written to disk. ``node`` (informational, like
+    ``producer``): the Ray node of the writing process, {"ip": ..., "id": ...}, when it runs in Ray."""
     marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": writer_id,
               "producer": f"{socket.gethostname()}:{os.getpid()}",  # which process wrote it (informational)
               "sample_ids": sample_ids, "num_samples": len(sample_ids), "tokens": tokens, "bytes": nbytes,
               "sha256": sha256}
+    if node:
+        marker["node"] = dict(node)
     return (json.dumps(marker) + "\n").encode()
 
 

@@ -330,7 +330,7 @@ class FeatureStoreWriter:
     """
 
     def __init__(self, root: str | Path, meta: StoreMeta, writer_id: str,
-                 shard_max_bytes: int = DEFAULT_SHARD_MAX_BYTES):
+                 shard_max_bytes: int = DEFAULT_SHARD_MAX_BYTES, node: Mapping[str, str] | None = None):
         if not _WRITER_ID.match(writer_id):
             raise StoreError(f"writer_id {writer_id!r} must match {_WRITER_ID.pattern} (it names shard files)")
         if shard_max_bytes < 1:
@@ -338,6 +338,7 @@ class FeatureStoreWriter:
         self.root = Path(root)
         self.meta = create_store(self.root, meta)
         self.writer_id = writer_id
+        self.node = dict(node) if node else None  # recorded in each marker: which Ray node wrote the shard
         self.shard_max_bytes = shard_max_bytes
         self._seq = max(shards.existing_seqs(self.root, writer_id), default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
@@ -388,7 +389,8 @@ class FeatureStoreWriter:
         tokens = sum(record_num_tokens(r) for r in self._buffer)
         marker = marker_path(shard)
         try:
-            _write_atomic(marker, shards.marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha))
+            _write_atomic(marker, shards.marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha,
+                                                         self.node))
         except OSError as e:
             remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
             raise _io_error(e, marker) from e
