@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -242,6 +243,8 @@ def main(argv=None) -> int:
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.ray_session import init_ray
 
+    # A caller's timeout (SIGTERM) still saves the figures and stops Ray and its GPU workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(a.store) / f"train_loop-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     root.mkdir(parents=True)
     t0 = time.monotonic()
@@ -275,6 +278,9 @@ def main(argv=None) -> int:
     finally:
         save()
         shutil.rmtree(root, ignore_errors=True)
+        import ray
+
+        ray.shutdown()
     return 0
 
 

@@ -2,10 +2,10 @@
 # Drafter training MFU on one H200 (issue 24): the bare step and the Ray Train + DeepSpeed loop at the
 # Llama-3.1-8B and Kimi-K2.5 shapes, in one call of at most 5 minutes. Run from the repository root:
 #
-#     OUT=/path/to/out bash benchmarks/device/train_mfu.sh               # H200, ~4.5 min
+#     OUT=/path/to/out bash benchmarks/device/train_mfu.sh               # H200, at most 4.5 min + the final summary
 #     DEVICE=cpu OUT=/tmp/mfu bash benchmarks/device/train_mfu.sh        # tiny shapes: the script's smoke test
 #
-# Phases, in order of importance; each gets what is left of BUDGET_S (default 285 s) and is skipped
+# Phases, in order of importance; each gets what is left of BUDGET_S (default 270 s) and is skipped
 # when too little is left:
 #   1. bare step (benchmarks/train_step.py, torch engine: bf16 weights, fused AdamW), 8B then Kimi shape:
 #      tokens/s, MFU against PEAK_TFLOPS (785), peak GiB (max_memory_allocated), host syncs per step
@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 PEAK_TFLOPS=${PEAK_TFLOPS:-785}
-BUDGET_S=${BUDGET_S:-285}
+BUDGET_S=${BUDGET_S:-270}
 LOOP_RUNS=${LOOP_RUNS:-8b:1,kimi:preset,kimi:1,8b:2}
 PHASES=${PHASES:-bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2}
 mkdir -p "$OUT"
