@@ -328,6 +328,7 @@ CAPTURE_WAIT_S = 120.0
 # How often a call waiting on SGLang checks that the engine's processes are alive.
 LIVENESS_POLL_S = 1.0
 MAX_RESTARTS = 3
+START_ATTEMPTS, START_RETRY_S = 3, 5.0  # building the engine again after a death
 
 
 class EngineDied(Exception):
@@ -445,7 +446,16 @@ class SGLangEngine:
                            why, self.restarts, self.max_restarts)
             self._stop_engine()
             self._generation += 1
-            self._start()
+            for attempt in range(START_ATTEMPTS):
+                try:
+                    self._start()
+                    return
+                except Exception as e:  # e.g. the dead processes' GPU memory not yet released
+                    if attempt == START_ATTEMPTS - 1:
+                        raise EngineError(f"the SGLang engine died ({why}) and could not be started again: {e}") from e
+                    logger.warning("starting the SGLang engine again failed (%s); retrying in %.0f s", e, START_RETRY_S)
+                    self._stop_engine()
+                    time.sleep(START_RETRY_S)
 
     def _retrying(self, attempt: Callable[[int], Any]) -> Any:
         while True:

@@ -239,3 +239,25 @@ def test_an_error_from_a_live_engine_is_not_retried(target, monkeypatch):
         engine.capture([[5, 6, 7]])
     assert engine.restarts == 0
     engine.close()
+
+
+def test_a_failed_start_after_a_death_is_tried_again(target, monkeypatch):
+    """The dead engine's GPU memory can take a moment to come back: a failed rebuild is retried."""
+    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    monkeypatch.setattr(sg, "START_RETRY_S", 0.0)
+    FakeSGLangEngine.started.clear()
+    calls = []
+
+    def flaky(**kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (the dead scheduler still holds it)")
+        return FakeSGLangEngine(**kw)
+
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=flaky)
+    os.kill(FakeSGLangEngine.started[0].proc.pid, signal.SIGKILL)
+    (cap,) = engine.capture([[5, 6, 7]])
+    aux, last = _expected([5, 6, 7], [2, 3, 4])
+    assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
+    assert len(calls) == 3 and engine.restarts == 1
+    engine.close()
