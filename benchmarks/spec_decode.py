@@ -10,6 +10,9 @@ Prompts are the first turn of each record of an MT-bench-style JSONL (``turns``)
 tokenizer's chat template when it has one. Batch size 1, greedy unless --temperature > 0. At
 temperature 0 the chain and tree outputs are checked token for token against target-only.
 Aggregate tau = tokens from verify steps / verify steps over all prompts (docs/spec.md).
+``--static`` decodes target-only, chain and tree through one StaticTarget (CUDA graphs on CUDA),
+drafting through its graphed StaticProposer unless ``--eager-draft``; ``ms_per_cycle`` splits a
+verify cycle into its parts (SpecStats.parts).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.engines.base import default_aux_layers
 from eagle3_ray.engines.targets import load_target
 from eagle3_ray.errors import DataError
-from eagle3_ray.spec import SpecStats, generate, prompt_lookup_generate, target_generate
+from eagle3_ray.spec import SpecStats, StaticTarget, generate, prompt_lookup_generate, target_generate
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "eagle3_ray" / "resources" / "demo_eval.jsonl"
 
@@ -72,7 +75,9 @@ def aggregate(runs: list[SpecStats]) -> dict[str, float | None]:
     tokens = sum(r.new_tokens for r in runs)
     seconds = sum(r.seconds for r in runs)
     verified = sum(r.tau * r.verify_steps for r in runs if r.tau is not None)
+    parts = {p: sum(r.parts.get(p, 0.0) for r in runs) for p in ("draft", "verify", "accept", "commit")}
     return {
+        "ms_per_cycle": {p: 1000 * v / steps for p, v in parts.items() if v} if steps else {},
         "tau": verified / steps if steps else None,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "new_tokens": tokens,
@@ -107,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are cross-checked)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--static", action="store_true", help="decode through a StaticTarget (CUDA graphs on CUDA)")
+    ap.add_argument("--eager-draft", action="store_true", help="with --static: the eager drafter, not the graphed one")
+    ap.add_argument("--max-length", type=int, default=4096, help="with --static: KV slots")
     a = ap.parse_args(argv)
 
     target = load_target(TargetConfig(model=a.target, device=a.device, dtype=a.dtype, seed=a.seed))
@@ -116,10 +124,14 @@ def main(argv=None) -> int:
     sampling = {"temperature": a.temperature, "seed": a.seed}
     chain = {"num_steps": a.num_steps, **sampling}
     tree = {"topk": a.topk, "depth": a.depth, "total_tokens": a.total_tokens, **sampling}
+    decoding = model
+    if a.static:
+        decoding = StaticTarget(model, drafter.config.aux_layers, max_length=a.max_length,
+                                draft_graphs=not a.eager_draft)
     methods = {
-        "target": lambda ids: target_generate(model, ids, a.max_new_tokens, **sampling),
-        "chain": lambda ids: generate(model, drafter, ids, a.max_new_tokens, mode="chain", **chain),
-        "tree": lambda ids: generate(model, drafter, ids, a.max_new_tokens, mode="tree", **tree),
+        "target": lambda ids: target_generate(decoding, ids, a.max_new_tokens, **sampling),
+        "chain": lambda ids: generate(decoding, drafter, ids, a.max_new_tokens, mode="chain", **chain),
+        "tree": lambda ids: generate(decoding, drafter, ids, a.max_new_tokens, mode="tree", **tree),
     }
     if a.temperature == 0:
         methods["prompt_lookup"] = lambda ids: prompt_lookup_generate(model, ids, a.max_new_tokens, a.lookup_tokens)
@@ -143,7 +155,9 @@ def main(argv=None) -> int:
     for name, r in results.items():
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         same = {True: "yes", False: "NO", None: ""}[r.get("matches_target")]
-        print(f"{name:<14}{tau:>7}{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x{r['target_forwards']:>10}  {same}")
+        parts = " ".join(f"{p} {v:.2f}" for p, v in r["ms_per_cycle"].items())
+        print(f"{name:<14}{tau:>7}{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x{r['target_forwards']:>10}  {same:<4} "
+              f"ms/cycle: {parts}")
     if a.json:
         meta = {"args": {k: str(v) for k, v in vars(a).items()}, "host": platform.node(), "torch": torch.__version__}
         Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n", encoding="utf-8")

@@ -135,36 +135,44 @@ def main(argv=None) -> int:
     for name, bench in runs.items():  # warm-up: graph captures, kernels, allocator, outside the timings
         actor.untrained = untrained if name == "graphed" else None
         t = time.perf_counter()
-        actor.warmup(first, bench)
+        try:
+            actor.warmup(first, bench)
+        except Exception:  # noqa: BLE001 - the other run may still measure; say what failed
+            result["errors"].append({"category": "warm-up", "run": name, "traceback": traceback.format_exc()})
+            log(f"warm-up {name} FAILED:\n{result['errors'][-1]['traceback']}")
         result[f"warmup_seconds_{name}"] = time.perf_counter() - t
         log(f"warm-up {name}: {result[f'warmup_seconds_{name}']:.1f}s")
+        write_json(path, result)
     if actor._static is not None:
         result["target_graph_widths"] = actor._static.captured
-        result["drafter_graphs"] = [[str(key) for key in p.captured] for _, p in actor._static._proposers.values()]
+        proposers = [p for _, p in actor._static._proposers.values()]
+        result["drafter_graphs"] = [[str(key) for key in p.captured] for p in proposers]
+        result["drafter_capture_errors"] = [p.capture_errors for p in proposers]
+        log(f"graphs: target widths {result['target_graph_widths']}, drafters {result['drafter_graphs']}, "
+            f"capture errors {result['drafter_capture_errors']}")
 
     def publish() -> None:
-        done = [c for c in sets if all(c in records[n] for n in runs)]
-        result["categories_done"] = done
+        result["categories_done"] = {name: list(records[name]) for name in runs}
         for name, bench in runs.items():
-            if done:
+            if records[name]:
                 actor.untrained = untrained if name == "graphed" else None
-                body = results_body({c: records[name][c] for c in done}, bench,
-                                    {**actor.describe(), "graphed_baseline": actor.info["graphed_baseline"],
-                                     "draft_graphs": bench.draft_graphs and actor.info["graphed_baseline"]},
-                                    a.sglang_plain_tps)
+                info = {**actor.describe(), "draft_graphs": bench.draft_graphs and actor.info["graphed_baseline"]}
+                body = results_body(dict(records[name]), bench, info, a.sglang_plain_tps)
                 result[name] = body
                 result[f"ms_per_cycle_{name}"] = parts_table(body)
-        if done:
-            g, e = result["graphed"], result["eager"]
-            result["summary"] = {
-                **g["summary"],
+        g, e = result.get("graphed"), result.get("eager")
+        if g:
+            result["summary"] = {**g["summary"], "tau": g["tau"],
+                                 "tokens_per_s": {**g["tokens_per_s"], "baseline": g["baseline"]["tokens_per_s"]},
+                                 "turns": g["num_turns"]}
+        if e:
+            result.setdefault("summary", {}).update({
                 "eager_draft_spec_vs_graphed_chain": e["summary"]["spec_vs_graphed_chain"],
                 "eager_draft_spec_vs_graphed_tree": e["summary"]["spec_vs_graphed_tree"],
                 "eager_draft_bf16_divergent_turns": e["summary"]["bf16_divergent_turns"],
                 "eager_draft_bf16_unexplained_divergences": e["summary"]["bf16_unexplained_divergences"],
-                "tau": g["tau"], "tokens_per_s": {**g["tokens_per_s"], "baseline": g["baseline"]["tokens_per_s"]},
-                "turns": g["num_turns"],
-            }
+                "eager_draft_turns": e["num_turns"],
+            })
         result["elapsed_seconds"] = time.perf_counter() - T0
         write_json(path, result)
 

@@ -16,6 +16,9 @@ free: rejected drafts stay in the storage past the committed length, invisible, 
 forward overwrites them. A tree's accepted path is moved down to consecutive slots with one
 gather over all layers.
 
+The drafter gets the same treatment next to this storage: ``proposer(drafter)`` is its
+``StaticProposer`` (``spec/static_draft.py``), used by ``spec.generate`` when ``draft_graphs``.
+
 Off CUDA (CPU tests) the same function runs eagerly, so graph replay and the eager path share
 every line but the capture. Its graph safety (no host sync inside the forward) is tested on CPU
 by failing on every op that would read a device value on the host.
