@@ -105,13 +105,19 @@ def _no_ray_in_fast_mode(request):
                          "mark it `pytest.mark.ray` so that `make test-fast` leaves it out")
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """A local Ray instance shared by every test that needs one (a start costs tens of seconds)."""
+def init_local_ray():
+    """ray.init of the session's local Ray (also used by test_multinode.py to restore it)."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance shared by every test that needs one (a start costs tens of seconds)."""
+    ray = init_local_ray()
     yield ray
     ray.shutdown()
 

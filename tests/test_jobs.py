@@ -89,14 +89,16 @@ def wait_for_job(env: dict, job_id: str, timeout: float = JOB_TIMEOUT_S) -> str:
     return "TIMEOUT"
 
 
-def submit_pipeline_job(env: dict, out: Path) -> dict:
-    """`ray job submit` ci-tiny's pipeline up to training; waits. What the tests check: status, logs, out."""
+def submit_pipeline_job(env: dict, out: Path, stop_after: str = "train",
+                        overrides: tuple[str, ...] = ("train.max_steps=2", "train.checkpoint_every=2")) -> dict:
+    """`ray job submit` ci-tiny's pipeline up to ``stop_after`` (training); waits. What the tests check:
+    status, logs, out. test_multinode.py submits it to a two-node cluster."""
     job_id = f"eagle3-ci-{secrets.token_hex(4)}"
     ray_cli(
         env, "job", "submit", "--address", env["RAY_JOB_API"], "--submission-id", job_id, "--no-wait",
         "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "cluster/runtime_env.yaml"), "--",
-        "python", "jobs/pipeline.py", "-c", "configs/ci-tiny.yaml", "--out", str(out), "--stop-after", "train",
-        "train.max_steps=2", "train.checkpoint_every=2",
+        "python", "jobs/pipeline.py", "-c", "configs/ci-tiny.yaml", "--out", str(out), "--stop-after", stop_after,
+        *overrides,
     )
     final = wait_for_job(env, job_id)
     logs = ray_cli(env, "job", "logs", "--address", env["RAY_JOB_API"], job_id)
