@@ -2,9 +2,11 @@
 
     prompts -> generate (self-distillation) -> prepare -> extract -> vocab -> train -> export -> bench -> report
 
-Each stage writes into its own directory under --out and leaves `_DONE.json` holding the hash of the
-config sections it depends on. A rerun skips stages whose marker matches and resumes the rest
-(extraction skips committed samples, training restarts from its latest checkpoint).
+Each stage writes into its own directory under --out and leaves `_DONE.json` there, beside its output,
+holding the hash of the config sections it depends on (extract: features/_DONE.json; export:
+drafter/_DONE.json). A rerun skips stages whose marker matches and resumes the rest (extraction skips
+committed samples, training restarts from its latest checkpoint). The benchmark stage writes the
+run's report (bench/report.md, with the training curves).
 With `train.mode=online|hybrid` the vocab map comes from the prepared tokens and features stream
 from the engine actors into training (eagle3_ray/online.py) instead of an extract stage.
 """
@@ -17,12 +19,24 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3_ray import metrics as dashboard
 from eagle3_ray.atomic import write_json
+from eagle3_ray.bench.report import REPORT_NAME
+from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
+from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
+from eagle3_ray.extract.generate_stage import run_generate
+from eagle3_ray.extract.pipeline import run_extract, run_prepare
+from eagle3_ray.extract.vocab_stage import run_vocab
+from eagle3_ray.online import run_online_training, run_online_vocab
 from eagle3_ray.out_lock import out_lock
 from eagle3_ray.progress import say
+from eagle3_ray.train.checkpoint import export_from_training
+from eagle3_ray.train.trainer import run_training
 
 DONE = "_DONE.json"
+# Stages whose output directory is not named after the stage (their marker sits there).
+OUTPUT_DIRS = {"extract": "features", "export": "drafter"}
 
 # Which config sections each stage's output depends on (a change there reruns the stage).
 STAGE_DEPS = {
@@ -53,11 +67,19 @@ class StageRunner:
         self.timings: dict[str, float] = {}
 
     def dir(self, stage: str) -> Path:
-        return self.out / stage
+        """Where `stage` writes: its own directory, except extract (features/) and export (drafter/)."""
+        return self.out / OUTPUT_DIRS.get(stage, stage)
+
+    def marker(self, stage: str) -> Path:
+        """The stage's `_DONE.json`, beside its output; an out dir written before the markers moved
+        keeps its marker in out/<stage>/, read as well so that it resumes."""
+        marker = self.dir(stage) / DONE
+        legacy = self.out / stage / DONE
+        return legacy if not marker.is_file() and legacy.is_file() else marker
 
     def run(self, stage: str, fn: Callable[[Path], Any]) -> Any:
         d = self.dir(stage)
-        marker = d / DONE
+        marker = self.marker(stage)
         want = _stage_hash(self.cfg, stage, self.data)
         if marker.is_file():
             saved = json.loads(marker.read_text(encoding="utf-8"))
@@ -72,7 +94,7 @@ class StageRunner:
         result = fn(d)
         self.timings[stage] = round(time.monotonic() - t0, 1)
         d.mkdir(parents=True, exist_ok=True)
-        write_json(marker, {"hash": want, "result": result, "seconds": self.timings[stage]}, indent=None,
+        write_json(d / DONE, {"hash": want, "result": result, "seconds": self.timings[stage]}, indent=None,
                    newline=False)
         self._maybe_stop(stage)
         return result
@@ -83,8 +105,6 @@ class StageRunner:
 
 
 def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
-    from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
-
     path = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
     for item in read_samples(path, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
         if isinstance(item, Sample) and item.needs_generation:
@@ -116,14 +136,9 @@ def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: st
 
 def _train_stages(cfg: PipelineConfig, stages: StageRunner, prepared: str) -> None:
     """offline: extract -> vocab (store) -> train; online/hybrid: vocab (prepared) -> streamed train."""
-    from eagle3_ray.extract.pipeline import run_extract
-    from eagle3_ray.extract.vocab_stage import run_vocab
-    from eagle3_ray.online import run_online_training, run_online_vocab
-    from eagle3_ray.train.trainer import run_training
-
-    features, vocab = stages.dir("features"), stages.dir("vocab")
+    features, vocab = stages.dir("extract"), stages.dir("vocab")
     if cfg.train.mode == "offline":
-        stages.run("extract", lambda d: run_extract(cfg, prepared, features).store)
+        stages.run("extract", lambda d: run_extract(cfg, prepared, d).store)
         stages.run("vocab", lambda d: str(run_vocab(cfg, features, d)))
         stages.run("train", lambda d: str(run_training(cfg, features, vocab, d)))
         return
@@ -134,19 +149,13 @@ def _train_stages(cfg: PipelineConfig, stages: StageRunner, prepared: str) -> No
 
 def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageRunner,
                 t0: float) -> dict[str, Any]:
-    from eagle3_ray import metrics as dashboard
-    from eagle3_ray.bench.runner import run_bench
-    from eagle3_ray.extract.generate_stage import run_generate
-    from eagle3_ray.extract.pipeline import run_prepare
-    from eagle3_ray.train.checkpoint import export_from_training
-
     source = data
     if _needs_generation(cfg, data):
         source = stages.run("generate", lambda d: str(run_generate(cfg, data, d)))
     prepared = stages.run("prepare", lambda d: run_prepare(cfg, source, d).prepared)
     _train_stages(cfg, stages, prepared)
-    drafter = out / "drafter"
-    stages.run("export", lambda d: str(export_from_training(stages.dir("train"), drafter, engine="sglang")))
+    drafter = stages.dir("export")
+    stages.run("export", lambda d: str(export_from_training(stages.dir("train"), d, engine="sglang")))
     metrics = stages.dir("train") / "metrics.jsonl"
     results = stages.run(
         "bench",
@@ -156,14 +165,11 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
         ),
     )
     dashboard.record_bench(results, cfg.name)
-    from eagle3_ray.bench.report import write_report
-
-    full = json.loads((out / "bench" / "results.json").read_text(encoding="utf-8"))
-    write_report(full, out, train_metrics_path=str(metrics) if metrics.is_file() else None)
+    bench = stages.dir("bench")
     summary = {
         "drafter": str(drafter),
-        "report": str(out / "report.md"),
-        "results": str(out / "bench" / "results.json"),
+        "report": str(bench / REPORT_NAME),
+        "results": str(bench / RESULTS_NAME),
         **results,
         "seconds": round(time.monotonic() - t0, 1),
         "stage_seconds": stages.timings,

@@ -238,7 +238,9 @@ def stopped_and_rerun(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("whole_run")
     out = tmp / "run"
-    overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
+    # lr 1e-2: within 12 steps the drafter learns enough of the random target to be accepted more often
+    # than the untrained one (test_run_pipeline.py compares them)
+    overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1", "train.lr=0.01")
     first = _start_run(out, tmp / "first.log", *overrides)
     try:
         # A step logged after the first checkpoint: its report returned, so Ray Train finished copying

@@ -12,6 +12,9 @@ import pytest
 from eagle3_ray.config import load_config
 
 STAGES = ("prepare", "extract", "vocab", "train", "export", "bench")
+# Where each stage's _DONE.json sits: beside its output.
+MARKER_DIRS = {"prepare": "prepare", "extract": "features", "vocab": "vocab", "train": "train",
+               "export": "drafter", "bench": "bench"}
 
 
 def test_run_writes_drafter_results_and_report_then_resumes(ci_tiny_run, ray_local, capsys):
@@ -29,24 +32,50 @@ def test_run_writes_drafter_results_and_report_then_resumes(ci_tiny_run, ray_loc
         run = untrained if kind == "untrained" else results["modes"][kind]
         # fp32 on the CPU: speculative decoding is lossless, every turn equals greedy decoding
         assert run["identical_to_baseline"] == 1.0, (kind, run["identical_to_baseline"])
-    # 12 steps do not make ci-tiny's random target predictable (tau stays near 1), but they must
-    # lower the TTT loss, and tau is bounded by the drafted tokens plus the bonus token.
-    losses = [json.loads(line)["loss"] for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert losses[-1] < losses[0], losses
-    assert 1.0 <= results["tau"]["chain"] <= 1 + cfg.bench.num_steps
-    assert 1.0 <= results["tau"]["tree"] <= 1 + cfg.bench.depth
+    # The 12 steps lower the TTT loss and raise the drafter's simulated tau above the untrained
+    # drafter's (the first step's, same run). Two 16-token prompts on a random target are too few for
+    # the measured tau to tell them apart, so the benchmark's tau is checked against its own counts:
+    # per verify step, 1 + the accepted draft tokens = 1 + the sum of the per-position accept rates.
+    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
+    assert metrics[-1]["tau"] > metrics[0]["tau"], [m["tau"] for m in metrics]
+    for run in (results["modes"]["chain"], untrained):
+        assert run["tau"] == pytest.approx((run["new_tokens"] - run["turns"]) / run["verify_steps"]), run
+        assert run["tau"] == pytest.approx(1 + sum(run["accept_by_position"])), run
+    assert results["tau"]["chain"] == results["modes"]["chain"]["tau"] <= 1 + cfg.bench.num_steps
+    assert results["tau"]["tree"] <= 1 + cfg.bench.depth
     for mode in ("chain", "tree"):
         assert results["speedup"][mode] == pytest.approx(
             results["modes"][mode]["tokens_per_s"] / results["baseline"]["tokens_per_s"])
-    assert "tau" in (out / "report.md").read_text().lower()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["tau"] == results["tau"]
+    assert summary["tau"] == results["tau"] and summary["untrained_tau"] == untrained["tau"]
+    # One report, written by the bench stage, with the training section from metrics.jsonl.
+    report = (out / "bench" / "report.md").read_text()
+    assert summary["report"] == str(out / "bench" / "report.md") and "training" in report.lower()
+    assert not (out / "report.md").exists()
     assert (out / "config.resolved.yaml").is_file()
     for stage in STAGES:
-        assert (out / stage / "_DONE.json").is_file(), stage
+        assert (out / MARKER_DIRS[stage] / "_DONE.json").is_file(), stage
+        assert MARKER_DIRS[stage] == stage or not (out / stage).exists(), stage
 
     capsys.readouterr()
     run_pipeline(cfg, data=None, out=out)
     printed = capsys.readouterr().out
     for stage in STAGES:
         assert f"[run] {stage}: done earlier, skipping" in printed
+
+
+def test_a_stage_marker_left_where_older_runs_wrote_it_still_resumes(tmp_path, capsys):
+    """Runs before the markers moved beside their outputs left out/extract/_DONE.json: still skipped."""
+    from eagle3_ray.pipeline import DONE, StageRunner, _stage_hash
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    (tmp_path / "extract").mkdir()
+    (tmp_path / "extract" / DONE).write_text(json.dumps({"hash": _stage_hash(cfg, "extract", None), "result": "x"}))
+    stages = StageRunner(cfg, tmp_path, None)
+    assert stages.run("extract", lambda d: pytest.fail("a finished stage ran again")) == "x"
+    assert "[run] extract: done earlier, skipping" in capsys.readouterr().out
+    ran = []
+    assert stages.run("export", lambda d: ran.append(d) or "y") == "y"  # no marker: runs, marks its output dir
+    assert ran == [tmp_path / "drafter"] and (tmp_path / "drafter" / DONE).is_file()
+    assert StageRunner(cfg, tmp_path, None).run("export", lambda d: pytest.fail("ran again")) == "y"

@@ -35,6 +35,26 @@ def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
     assert all(p.tokens <= 512 for p in packs)
 
 
+def test_the_train_job_reaches_the_workers_typed(ci_tiny_inputs, tmp_path):
+    """The driver's TrainJob crosses to the workers as Ray pickles it: the config sections stay
+    pydantic models (validated, attribute access), the drafter config a DrafterConfig."""
+    import ray.cloudpickle
+
+    from eagle3_ray.config import TrainConfig
+    from eagle3_ray.drafter.model import DrafterConfig
+    from eagle3_ray.train.trainer import plan_training
+
+    cfg = load_config(CI_CONFIG, ["train.grad_accum=3"])
+    for section in (cfg, cfg.target, cfg.extract, cfg.train, cfg.bench, cfg.ray):
+        assert ray.cloudpickle.loads(ray.cloudpickle.dumps(section)) == section
+    job, *_ = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)
+    back = ray.cloudpickle.loads(ray.cloudpickle.dumps({"job": job}))["job"]
+    assert isinstance(back.train, TrainConfig) and back.train.grad_accum == 3
+    assert isinstance(back.drafter_config, DrafterConfig) and back.drafter_config == job.drafter_config
+    with pytest.raises(Exception, match="grad_accum"):
+        back.train.grad_accum = 0  # still validated on the worker side
+
+
 def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
     from eagle3_ray.train.packing import holdout, plan, remap
 
