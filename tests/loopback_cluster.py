@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on one machine: a head on 127.0.0.1 and worker nodes on 127.0.0.2, ...
+"""A real multi-node Ray cluster on one machine: a head on 127.0.0.2 and worker nodes on 127.0.0.3, ...
 
 Each node is its own ``ray start --block`` (own raylet, object store, node id, resources), started
 with ``--node-ip-address`` on a loopback address, free ports and one auth token shared by every
@@ -7,9 +7,9 @@ is local, so nothing leaves the machine. Only the processes this helper started 
 a node is stopped by the pid of its ``ray start --block`` (whose SIGTERM handler ends the node's
 processes), never by ``ray stop``, which would end every Ray of the user on the machine.
 
-    with LoopbackCluster(workers=1) as c:        # head 127.0.0.1 + worker 127.0.0.2
-        c.connect()                              # ray.init as a driver on 127.0.0.1
-        c.add_worker()                           # 127.0.0.3 joins
+    with LoopbackCluster(workers=1) as c:        # head 127.0.0.2 + worker 127.0.0.3 (HEAD_IP says why not .1)
+        c.connect()                              # ray.init as a driver on the head's address
+        c.add_worker()                           # 127.0.0.4 joins
         c.kill_raylet(c.workers[0])              # SIGKILL that node's raylet: the node dies
 
 Usable by hand too: ``python tests/loopback_cluster.py 1`` starts a head and one worker node,
@@ -194,7 +194,7 @@ class LoopbackCluster:
         self.wait_for(self.head)
 
     def add_worker(self, num_cpus: int | None = None, resources: str | None = None, wait: bool = True) -> Node:
-        """Start a worker node on the next loopback address (127.0.0.2, 127.0.0.3, ...)."""
+        """Start a worker node on the next loopback address (127.0.0.3, 127.0.0.4, ...)."""
         ip = f"127.0.0.{self._next_ip}"
         self._next_ip += 1
         args = ["--address", self.address, "--num-cpus", str(self.worker_cpus if num_cpus is None else num_cpus)]
@@ -249,7 +249,7 @@ class LoopbackCluster:
     # ------------------------------------------------------------ drivers
 
     def connect(self, **kwargs):
-        """ray.init as a driver of this cluster on 127.0.0.1 (token from the environment)."""
+        """ray.init as a driver of this cluster on the head's address, with the cluster's token."""
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         import ray
 
