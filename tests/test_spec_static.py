@@ -59,6 +59,8 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
     for prompt in prompts + prompts[::-1]:
         ref, _ = target_generate(target, prompt, 20, eos_token_id=[])
         assert target_generate(static, prompt, 20, eos_token_id=[])[0] == ref
+        replay, top2 = target_top2(static, prompt, 20, eos_token_id=[])  # the audit's untimed replay
+        assert replay == ref and len(top2) == 20 and all(a >= b for a, b in top2)
         for mode, params in MODES:
             dyn, dyn_stats = generate(target, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
