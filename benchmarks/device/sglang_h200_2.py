@@ -48,6 +48,7 @@ os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "false")
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "device"))
+from sglang_h200 import per_layer, rel_err  # noqa: E402  (the first call's error measures)
 GGUF = Path("/tmp/SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2 = Path("/tmp/smollm2")
 WORK = Path("/tmp/sglang2")
@@ -237,11 +238,6 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", pad_token="t2", unk_token="t0")
 
 
-def rel_err(got, want) -> float:
-    got, want = got.float(), want.float()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def part_d(a) -> dict:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -297,12 +293,7 @@ def part_d(a) -> dict:
         kwargs = [h["target_modules"] for h in kwargs["forward_hooks"]]
     res["forward_hooks"] = kwargs
     H = dims["hidden_size"]
-    errs: dict[str, float] = {}
-    for gc, wc in zip(got, want):
-        assert gc.aux_hidden.shape == wc.aux_hidden.shape, (gc.aux_hidden.shape, wc.aux_hidden.shape)
-        for j, (ga, wa) in enumerate(zip(gc.aux_hidden.split(H, -1), wc.aux_hidden.split(H, -1))):
-            errs[f"aux{j}"] = max(errs.get(f"aux{j}", 0.0), rel_err(ga, wa))
-        errs["last_hidden"] = max(errs.get("last_hidden", 0.0), rel_err(gc.last_hidden, wc.last_hidden))
+    errs = per_layer(got, want, H)
     res["rel_err_sglang_vs_hf"] = errs
     res["deepseek_capture_max_rel_err"] = max(errs.values())
     if every:  # which HF index each captured slot is closest to (a wrong rule shows as another index)
