@@ -13,10 +13,15 @@ from eagle3_ray.config import load_config
 from eagle3_ray.errors import CheckpointError
 
 CI_CONFIG = "configs/ci-tiny.yaml"
-# One 4-step ci-tiny training with a held-out share serves the checkpoint, resume, export and held-out
-# tests (each inspects another aspect of the same run; a Ray Train run costs ~30 s here).
+# The ZeRO stage of the Kimi-K2.5 preset, which partitions gradients (ZeRO-1 runs on one worker in
+# test_fault_injection.py, test_run_pipeline.py and test_online.py).
+ZERO_STAGE = load_config("configs/kimi-k2.5.yaml").train.zero_stage
+# One 4-step ci-tiny training on two gloo workers at that stage, with a held-out share, serves the
+# two-worker, ZeRO, checkpoint, resume, export and held-out tests (each inspects another aspect of
+# the same run; a Ray Train run costs ~30-40 s here). Two ranks: with one, ZeRO's gradient and
+# optimizer-state partitions would be the whole model.
 TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
-           "train.eval_every=2"]
+           "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}"]
 
 
 def _metrics(out):
@@ -98,7 +103,8 @@ def test_online_training_refuses_a_held_out_share(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_4_steps(ci_tiny_inputs, tmp_path_factory):
-    """(out, final checkpoint name) of one 4-step ci-tiny training; tests work on copies of `out`."""
+    """(out, final checkpoint name) of one 4-step ci-tiny training on two workers (TRAIN_4); tests
+    work on copies of `out`."""
     from eagle3_ray.train.trainer import run_training
 
     out = tmp_path_factory.mktemp("trained_4_steps") / "train"
@@ -123,7 +129,7 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
     state = read_train_state(ckpt)
     assert state["step"] == 4
     assert (ckpt / "ds").is_dir() and (ckpt / "drafter.safetensors").is_file()
-    assert len(consumed_packs(ckpt)) == 4
+    assert len(consumed_packs(ckpt)) == 4 * 2  # one pack per rank and step
     steps = [m["step"] for m in _metrics(out)]
     assert steps == [1, 2, 3, 4]
     m = _metrics(out)[-1]
@@ -149,26 +155,43 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
 def test_resume_refuses_a_checkpoint_from_another_config(trained_4_steps, ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.trainer import run_training
 
-    out, _ = _copy_run(trained_4_steps, tmp_path / "train")  # a checkpoint of ci-tiny's own config
-    other = load_config(CI_CONFIG, ["train.max_steps=2", "train.batch_tokens=300"])
+    out, _ = _copy_run(trained_4_steps, tmp_path / "train")
+    other = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=2", "train.batch_tokens=300"])
     with pytest.raises(CheckpointError, match="batch_tokens"):
         run_training(other, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
 
 
-def test_two_workers_train_with_deepspeed_zero1_on_gloo(ci_tiny_inputs, tmp_path):
-    from eagle3_ray.train.checkpoint import read_train_state
-    from eagle3_ray.train.trainer import run_training
+def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_steps, ci_tiny_inputs, tmp_path):
+    from safetensors.torch import load_file
 
-    cfg = load_config(CI_CONFIG, ["train.num_workers=2", "train.max_steps=2", "train.log_every=1",
-                                  "train.val_share=0.25", "train.eval_every=1"])
-    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
-    assert read_train_state(ckpt)["step"] == 2
-    assert sorted(p.name for p in (ckpt / "data_state").iterdir()) == ["rank-0.json", "rank-1.json"]
-    # The held-out packs are split over the two ranks and their sums added: every token counted once.
+    from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3_ray.train.checkpoint import read_train_state
     from eagle3_ray.train.trainer import plan_training
 
+    assert ZERO_STAGE >= 2, "the preset's stage partitions gradients; ZeRO-1 is covered by one-worker runs"
+    out, ckpt = trained_4_steps
+    ckpt = out / ckpt
+    cfg = load_config(CI_CONFIG, TRAIN_4)
+    state = read_train_state(ckpt)
+    assert state["step"] == 4 and state["zero_stage"] == ZERO_STAGE and state["world_size"] == 2
+    assert sorted(p.name for p in (ckpt / "data_state").iterdir()) == ["rank-0.json", "rank-1.json"]
+    # Each rank saved its own partition of the optimizer state.
+    assert len(list((ckpt / "ds").rglob("*optim_states*"))) == 2
+    lines = _metrics(out)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in lines)
+    # The held-out packs are split over the two ranks and their sums added: every token counted once,
+    # at every evaluation.
     val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "plan")[3]
-    assert [m["val_tokens"] for m in _metrics(tmp_path / "train")] == [sum(p.tokens for p in val_packs)] * 2
+    assert [m["val_tokens"] for m in lines if "val_tokens" in m] == [sum(p.tokens for p in val_packs)] * 2
+
+    # The gathered weights moved from their seeded initialisation, by optimizer-sized steps.
+    trained = load_file(str(ckpt / "drafter.safetensors"))
+    dcfg = DrafterConfig.from_dict(json.loads((ckpt / "drafter_config.json").read_text()))
+    torch.manual_seed(cfg.train.seed)
+    init = Eagle3Drafter(dcfg).state_dict()
+    moved = (trained["fc.weight"].float() - init["fc.weight"].float()).abs().max().item()
+    assert 0 < moved < 100 * cfg.train.lr, moved
 
 
 def test_train_refuses_a_vocab_map_of_another_size(ci_tiny_inputs, tmp_path):
