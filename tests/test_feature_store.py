@@ -304,6 +304,10 @@ def test_resume_ignores_orphans_and_never_overwrites(tmp_path):
     (shards / ".tmp-w0-000100.safetensors.123.abcd").write_bytes(b"partial")
     assert completed_ids(tmp_path) == {r[SAMPLE_ID] for r in recs[:6]}
     assert len(open_store(tmp_path)) == 6  # the orphan is not served
+    store_mod.append_reject(tmp_path, "s7", "data.jsonl:8", "too long", stage="extract")
+    # what a resumed extraction skips: committed (not orphaned) or rejected
+    done = store_mod.finished(tmp_path, [r[SAMPLE_ID] for r in recs])
+    assert done.tolist() == [True] * 6 + [False, True, False, False]
 
     removed = cleanup_orphans(tmp_path)
     assert sorted(p.name for p in removed) == [".tmp-w0-000100.safetensors.123.abcd", "w0-000099.safetensors"]

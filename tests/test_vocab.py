@@ -9,6 +9,7 @@ import torch
 from eagle3_ray.data.vocab import (
     build_vocab_map,
     count_tokens,
+    data_fingerprint,
     draft_to_target_ids,
     load_vocab_map,
     save_vocab_map,
@@ -115,3 +116,13 @@ def test_fingerprint_is_stable_and_sensitive_to_each_input():
     assert fp == vocab_fingerprint("d", "t", 32000)
     assert len({fp, vocab_fingerprint("d2", "t", 32000), vocab_fingerprint("d", "t2", 32000),
                 vocab_fingerprint("d", "t", 16000)}) == 4
+
+
+def test_data_fingerprint_is_the_samples_ids_and_lengths_in_any_order():
+    import hashlib
+
+    fp = data_fingerprint(["b", "a"], np.asarray([7, 3], dtype=np.int64))  # a store's columns
+    # the key of cached vocab maps and checkpoint identities: its format must not drift
+    assert fp == hashlib.sha256(b"a:3;b:7;").hexdigest()[:16]
+    assert fp == data_fingerprint(["a", "b"], [3, 7])  # prepared data, other order
+    assert len({fp, data_fingerprint(["a", "b"], [3, 8]), data_fingerprint(["a", "c"], [3, 7])}) == 3

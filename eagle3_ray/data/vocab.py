@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -74,6 +74,15 @@ def vocab_coverage(counts: Any, t2d: np.ndarray) -> float:
     counts = _as_numpy(counts)
     total = int(counts.sum())
     return float(counts[t2d].sum()) / total if total else 0.0
+
+
+def data_fingerprint(sample_ids: Iterable[str], lengths: Iterable[int]) -> str:
+    """Identifies a set of samples by their ids and token counts (int [N]), whatever their order or
+    shard layout: the same for a feature store and for the prepared data it was extracted from."""
+    h = hashlib.sha256()
+    for sid, n in sorted(zip(sample_ids, lengths)):
+        h.update(f"{sid}:{n};".encode())
+    return h.hexdigest()[:16]
 
 
 def vocab_fingerprint(data_fingerprint: str, target_fingerprint: str, draft_vocab_size: int) -> str:

@@ -231,6 +231,14 @@ def completed_ids(root: str | Path) -> set[str]:
     return done
 
 
+def finished(root: str | Path, sample_ids: Sequence[str]) -> np.ndarray:
+    """Which of ``sample_ids`` the store is done with -> bool [n]: committed to a complete shard or
+    quarantined in its rejects (a resumed extraction skips both). Reads the markers and the rejects
+    once, never shard contents."""
+    done = completed_ids(root) | rejected_ids(root)
+    return np.fromiter((sid in done for sid in sample_ids), dtype=bool, count=len(sample_ids))
+
+
 def batch_committed(root: str | Path, writer_id: str) -> bool:
     """Whether ``writer_id``'s first shard is complete. A writer named after its batch (one shard
     per batch, as extraction's engine actors write) then has nothing left to redo."""
