@@ -1,7 +1,7 @@
 """Online and hybrid training: captured hidden states stream from the engine actors into Ray Train.
 
     prepared.parquet -> pack plan (driver; the same `plan` as offline, over the prepared lengths)
-      -> one row per pack {key, samples} -> map_batches(PackCaptureUDF, engine actor pool):
+      -> one row per pack {key, samples} -> map_batches(PackCaptureUDF (extract/udfs.py), engine actor pool):
          capture the pack's samples, validate, collate into one packed micro-batch row
       -> TorchTrainer(datasets={"train": ...}) -> the unchanged worker loop (train/loop.py)
 
@@ -20,60 +20,28 @@ either side waiting for the other would stall the stream.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import ray
 import ray.train
-import torch
 from ray.data import ExecutionOptions, ExecutionResources
 
-from eagle3_ray import metrics
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.vocab import build_vocab_map, count_tokens, save_vocab_map, vocab_fingerprint
+from eagle3_ray.data.vocab import build_vocab_map, count_tokens, data_fingerprint, save_vocab_map, vocab_fingerprint
 from eagle3_ray.engines.describe import describe_target
-from eagle3_ray.errors import ConfigError, DataError, SampleRejected
-from eagle3_ray.extract.pipeline import prepared_path
-from eagle3_ray.extract.udfs import CaptureUDF
-from eagle3_ray.extract.vocab_stage import VOCAB_FILE, data_fingerprint
+from eagle3_ray.errors import ConfigError
+from eagle3_ray.extract.pipeline import read_prepared
+from eagle3_ray.extract.udfs import PackCaptureUDF
+from eagle3_ray.extract.vocab_stage import VOCAB_FILE
 from eagle3_ray.features import open_store
-from eagle3_ray.features.record import bf16_to_uint16, validate_record
-from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta, create_store
+from eagle3_ray.features.store import StoreMeta, create_store
 from eagle3_ray.progress import say
 from eagle3_ray.train.data import build_train_dataset, pack_rows
-from eagle3_ray.train.packing import Pack, collate
+from eagle3_ray.train.packing import Pack
 from eagle3_ray.train.trainer import _use_gpu, build_job, fit
-
-PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
-
-
-def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
-    out = np.empty(len(arrays), dtype=object)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
-
-
-def read_prepared(prepared: str | Path):
-    """(sample_ids [N], lengths int64 [N], input_ids [N] int32 arrays, loss_mask [N] uint8 arrays)."""
-    src = prepared_path(prepared)
-    if src is None:
-        raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
-    table = pq.read_table(src, columns=["sample_id", "input_ids", "loss_mask", "num_tokens"])
-    ids = [np.asarray(a, dtype=np.int32) for a in table.column("input_ids").to_numpy(zero_copy_only=False)]
-    masks = [np.asarray(a, dtype=np.uint8) for a in table.column("loss_mask").to_numpy(zero_copy_only=False)]
-    return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy(), ids, masks
-
-
-def _data_fingerprint(sample_ids: list[str], lengths: np.ndarray) -> str:
-    """The offline store's fingerprint of the same samples (vocab cache key and run identity)."""
-    return data_fingerprint(SimpleNamespace(sample_ids=sample_ids, lengths=lengths))
 
 
 def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> Path:
@@ -88,7 +56,7 @@ def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path)
     d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size)
     total = int(counts.sum())
     meta = {
-        "fingerprint": vocab_fingerprint(_data_fingerprint(sample_ids, lengths), info.fingerprint,
+        "fingerprint": vocab_fingerprint(data_fingerprint(sample_ids, lengths), info.fingerprint,
                                          cfg.vocab.draft_vocab_size),
         "target_fingerprint": info.fingerprint,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
@@ -125,85 +93,6 @@ def streaming_data_config(cfg: PipelineConfig):
     return ray.train.DataConfig(execution_options=ExecutionOptions(resource_limits=limits))
 
 
-class PackCaptureUDF(CaptureUDF):
-    """Engine actor of online/hybrid mode: rows {key, samples} in, packed micro-batch rows out.
-
-    Loads the prepared token ids once; each call captures every sample of its packs in one engine
-    call (the engine actor of `CaptureUDF`: its engine, not its numpy rows), drops samples that fail
-    record validation (counted as rejects), and, in hybrid mode, commits them to the feature store
-    under a writer id derived from the pack keys (a retried call finds its shard and does not write
-    it twice). Hidden states stay bf16 tensors until the packed row leaves the actor.
-    """
-
-    def __init__(self, prepared: str, target_cfg: dict[str, Any], batch_tokens: int, meta: StoreMeta,
-                 run: str = "", store_root: str | None = None):
-        super().__init__(target_cfg, batch_tokens, meta.hidden_size, run=run, stage="online")
-        self.sample_ids, _, self.ids, self.masks = read_prepared(prepared)
-        self.meta, self.store_root = meta, store_root
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        packs = [np.asarray(s, dtype=np.int64) for s in batch["samples"]]
-        flat = np.concatenate(packs)  # prepared indices of every sample in this call
-        records = [self._record(i, c) for i, c in zip(flat, self._capture([self.ids[i].tolist() for i in flat]))]
-        keep = self._validate_or_store(records, batch["key"])
-        rows, start = [], 0
-        for pack in packs:
-            kept = [records[j] for j in range(start, start + len(pack)) if keep[j]]
-            start += len(pack)
-            rows.append(_packed_row(kept) if kept else None)
-        ok = [i for i, r in enumerate(rows) if r is not None]
-        return {"key": batch["key"][ok], **{k: _ragged([rows[i][k] for i in ok]) for k in PACKED_KEYS}}
-
-    def _capture(self, seqs: list[list[int]]) -> list:
-        """The engine's captures of `seqs`, counted on the dashboard as `CaptureUDF` counts its own."""
-        t0 = time.monotonic()
-        captures = self.engine.capture(seqs)
-        tokens = sum(len(q) for q in seqs)
-        metrics.inc("samples", len(seqs), self.run, self.stage)
-        metrics.inc("tokens", tokens, self.run, self.stage)
-        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
-        return captures
-
-    def _record(self, i: int, capture) -> dict[str, Any]:
-        return {
-            "sample_id": self.sample_ids[i],
-            "input_ids": torch.from_numpy(self.ids[i]),  # [T] int32
-            "loss_mask": torch.from_numpy(self.masks[i]),  # [T] uint8
-            "aux_hidden": capture.aux_hidden.to(torch.bfloat16),  # [T, 3H]
-            "last_hidden": capture.last_hidden.to(torch.bfloat16),  # [T, H]
-        }
-
-    def _validate_or_store(self, records: list[dict[str, Any]], keys: np.ndarray) -> list[bool]:
-        keep = []
-        if self.store_root is None:
-            for rec in records:
-                try:
-                    validate_record(rec, self.meta.hidden_size, self.meta.vocab_size)
-                    keep.append(True)
-                except SampleRejected:
-                    keep.append(False)
-        else:
-            wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
-            with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
-                                    shard_max_bytes=2**62) as w:
-                for rec in records:
-                    try:
-                        w.add(rec)
-                        keep.append(True)
-                    except SampleRejected as e:
-                        w.reject(rec["sample_id"], "online", str(e), stage="extract")
-                        keep.append(False)
-            metrics.inc("bytes_written", sum(p.stat().st_size for p in w.shards_written), self.run, "store")
-        metrics.inc("rejects", keep.count(False), self.run, self.stage)
-        return keep
-
-
-def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Records -> one packed row in the layout of train/data.py (bf16 as uint16)."""
-    packed = collate(records)
-    return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
-
-
 def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMeta, store_root: str | None):
     """Ray Data pipeline: pack rows -> engine actor pool -> packed micro-batch rows."""
     rows = pack_rows(packs)
@@ -211,7 +100,7 @@ def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMet
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // packs_per_call, 1000)))
     return ds.map_batches(
         PackCaptureUDF,
-        fn_constructor_kwargs=dict(prepared=str(prepared), target_cfg=cfg.target.model_dump(),
+        fn_constructor_kwargs=dict(prepared=str(prepared), target=cfg.target,
                                    batch_tokens=cfg.extract.batch_tokens, meta=meta, run=cfg.name,
                                    store_root=store_root),
         compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.num_actors,
@@ -252,7 +141,7 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     prepared = Path(prepared).resolve()
     sample_ids, lengths, _, _ = read_prepared(prepared)
     info = describe_target(cfg.target)
-    job, packs = build_job(cfg, lengths, _data_fingerprint(sample_ids, lengths), vocab, out, info)
+    job, packs = build_job(cfg, lengths, data_fingerprint(sample_ids, lengths), vocab, out, info)
     meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
     data_config = streaming_data_config(cfg)
     if not hybrid:

@@ -40,11 +40,22 @@ def store_dir(ci_tiny_inputs, tmp_path_factory):
 def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
     import pyarrow.parquet as pq
 
+    import pyarrow as pa
+
     out, summary = prepared
     table = pq.read_table(out / "prepared.parquet")
     assert table.num_rows == summary.samples == 12
-    for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
-        assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+    assert table.schema.names == ["sample_id", "source", "input_ids", "loss_mask", "num_tokens"]
+    for col, dtype in (("input_ids", pa.int32()), ("loss_mask", pa.uint8())):  # list columns, not tensors
+        assert pa.types.is_list(table.schema.field(col).type) and table.schema.field(col).type.value_type == dtype
+    sids = table.column("sample_id").to_pylist()
+    assert sids == sorted(sids)
+    masks = table.column("loss_mask").to_pylist()
+    for ids, mask, n in zip(table.column("input_ids").to_pylist(), masks, table.column("num_tokens").to_pylist()):
+        assert len(ids) == len(mask) == n and 0 < sum(mask) < len(mask)
+    assert summary.tokens == sum(table.column("num_tokens").to_pylist())
+    assert summary.loss_tokens == sum(sum(m) for m in masks)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]  # the staging dir is gone
     assert (out / "config.resolved.yaml").is_file()
     assert json.loads((out / "summary.json").read_text())["tokens"] == summary.tokens
 

@@ -1,8 +1,10 @@
 """Ray Data stages: prepare (read -> tokenize), extract (engine actor pool -> validated shards).
 
-    prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> prepared.parquet
-    extract:  read_parquet -> skip completed ids -> preflight -> map_batches(CaptureWriteUDF,
-              ActorPoolStrategy): capture, validate, commit one atomic shard per batch in the actor
+    prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> kept rows,
+              sorted by id -> prepared.parquet (written by a Ray task; the driver reads only counts)
+    extract:  ids the store has finished (one ask) -> preflight -> read_parquet -> drop those ids (one
+              vectorised filter) -> map_batches(CaptureWriteUDF, ActorPoolStrategy): capture, validate,
+              commit one atomic shard per batch in the actor
 
 Every stage writes its resolved config and a summary.json next to its outputs and resumes where it
 stopped: prepare is atomic (all or nothing), extract skips samples already committed to the store.
@@ -12,15 +14,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle3_ray.atomic import write_file, write_json
+from eagle3_ray.atomic import tmp_path, write_file, write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import DataError, StoreError
 from eagle3_ray.progress import say
@@ -70,6 +75,17 @@ def prepared_path(data: str | Path) -> Path | None:
     return None
 
 
+def read_prepared(prepared: str | Path):
+    """(sample_ids [N], lengths int64 [N], input_ids [N] int32 arrays, loss_mask [N] uint8 arrays)."""
+    src = prepared_path(prepared)
+    if src is None:
+        raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
+    table = pq.read_table(src, columns=["sample_id", "input_ids", "loss_mask", "num_tokens"])
+    ids = [np.asarray(a, dtype=np.int32) for a in table.column("input_ids").to_numpy(zero_copy_only=False)]
+    masks = [np.asarray(a, dtype=np.uint8) for a in table.column("loss_mask").to_numpy(zero_copy_only=False)]
+    return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy(), ids, masks
+
+
 def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> PrepareSummary:
     """Read conversations, quarantine bad records, tokenize with loss masks on Ray Data."""
     import ray
@@ -102,7 +118,9 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
         )
 
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // TOKENIZE_BATCH))
-    ds = ds.map_batches(
+    # Tokenized once; the rows stay in Ray Data (object store): the driver reads back only each row's
+    # counts (and a rejected row's id, source and reason), and a Ray task writes the parquet.
+    tokenized = ds.map_batches(
         TokenizeUDF,
         fn_constructor_kwargs=dict(
             tokenizer_path=str(tokenizer_path_for(cfg.target)),
@@ -113,44 +131,29 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
         batch_size=TOKENIZE_BATCH,
         batch_format="numpy",
-    )
-    ids, masks, sids, sources = [], [], [], []
-    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-        for i, reason in enumerate(batch["reject"]):
-            if reason:
-                rejects.append(
-                    {"sample_id": str(batch["sample_id"][i]), "source": str(batch["source"][i]),
-                     "reason": str(reason), "stage": "prepare"}
-                )
-                continue
-            sids.append(str(batch["sample_id"][i]))
-            sources.append(str(batch["source"][i]))
-            ids.append(np.asarray(batch["input_ids"][i], dtype=np.int32))
-            masks.append(np.asarray(batch["loss_mask"][i], dtype=np.uint8))
+    ).materialize()
+    lengths, loss_tokens = [], 0
+    counts = tokenized.select_columns(["sample_id", "source", "num_tokens", "loss_tokens", "reject"])
+    for batch in counts.iter_batches(batch_format="numpy", batch_size=None):
+        bad = np.asarray([bool(r) for r in batch["reject"]], dtype=bool)
+        for sid, origin, reason in zip(batch["sample_id"][bad], batch["source"][bad], batch["reject"][bad]):
+            rejects.append({"sample_id": str(sid), "source": str(origin), "reason": str(reason),
+                            "stage": "prepare"})
+        lengths.append(np.asarray(batch["num_tokens"][~bad], dtype=np.int64))
+        loss_tokens += int(np.asarray(batch["loss_tokens"][~bad]).sum())
     append_rejects(rejects_path, rejects)
-    if not sids:
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    if not lengths.size:
         raise DataError(
             f"every sample of {source} was rejected (reasons in {rejects_path}); prompt-only data "
             "needs `eagle3-ray generate` first to write the assistant turns"
         )
-
-    order = sorted(range(len(sids)), key=lambda i: sids[i])
-    lengths = np.asarray([len(ids[i]) for i in order], dtype=np.int64)
-    table = pa.table(
-        {
-            "sample_id": pa.array([sids[i] for i in order], pa.string()),
-            "source": pa.array([sources[i] for i in order], pa.string()),
-            "input_ids": pa.array([ids[i] for i in order], pa.list_(pa.int32())),
-            "loss_mask": pa.array([masks[i] for i in order], pa.list_(pa.uint8())),
-            "num_tokens": pa.array(lengths, pa.int64()),
-        }
-    )
     target = out / PREPARED_FILE
-    write_file(target, lambda tmp: pq.write_table(table, tmp))
+    _write_prepared(tokenized, target, rows=int(lengths.size))
     summary = PrepareSummary(
-        samples=len(sids),
+        samples=int(lengths.size),
         tokens=int(lengths.sum()),
-        loss_tokens=int(sum(int(m.sum()) for m in masks)),
+        loss_tokens=loss_tokens,
         rejected=len(rejects),
         max_tokens=int(lengths.max()),
         mean_tokens=float(lengths.mean()),
@@ -163,6 +166,43 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
         f"({summary.loss_tokens:,} loss tokens), {summary.rejected} rejected -> {target}"
     )
     return summary
+
+
+def _kept_rows(batch: pa.Table) -> pa.Table:
+    """Tokenized rows -> the kept ones, in the prepared parquet's columns."""
+    return batch.filter(pc.equal(batch["reject"], "")).drop_columns(["reject", "loss_tokens"])
+
+
+def _sorted_by_id(batch: pa.Table) -> pa.Table:
+    return batch.sort_by("sample_id")
+
+
+def _write_prepared(tokenized, target: Path, rows: int) -> None:
+    """Write the kept rows of `tokenized` (a Ray Dataset), sorted by sample id, as the one parquet
+    file `target` (`rows` rows), published atomically. The file is written by a Ray task on the
+    driver's node, where `target` is (prepare's --out need not be shared by the cluster)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    staging = tmp_path(target)  # a directory: Ray Data writes files under a directory
+    try:
+        (tokenized.map_batches(_kept_rows, batch_format="pyarrow", batch_size=None)
+         .repartition(1)
+         .map_batches(_sorted_by_id, batch_format="pyarrow", batch_size=None)
+         .write_parquet(str(staging), min_rows_per_file=rows, ray_remote_args={"scheduling_strategy": here}))
+        written = sorted(staging.glob("*.parquet"))
+        if len(written) != 1:
+            raise RuntimeError(f"prepare wrote {len(written)} parquet files under {staging}, expected one")
+        write_file(target, lambda tmp: os.replace(written[0], tmp))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _drop_ids(batch: pa.Table, drop: pa.Array) -> pa.Table:
+    """The rows of `batch` whose sample_id is not in `drop` (one vectorised test per batch)."""
+    ids = batch["sample_id"]
+    return batch.filter(pc.invert(pc.is_in(ids, value_set=drop.cast(ids.type))))
 
 
 @dataclass
@@ -184,7 +224,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.udfs import CaptureWriteUDF
     from eagle3_ray.features.preflight import check_disk
-    from eagle3_ray.features.store import StoreMeta, cleanup_orphans, completed_ids, create_store, rejected_ids
+    from eagle3_ray.features.store import StoreMeta, cleanup_orphans, create_store, finished
     from eagle3_ray.features.record import bytes_per_token
     from eagle3_ray.ray_session import check_shared_dir
     from eagle3_ray.progress import RateMeter
@@ -204,12 +244,12 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
 
     table = pq.read_table(src, columns=["sample_id", "num_tokens"])
-    all_ids = table.column("sample_id").to_pylist()
+    all_ids = table.column("sample_id")
     lengths = table.column("num_tokens").to_numpy()
-    done = completed_ids(out) | rejected_ids(out)
-    todo = np.asarray([sid not in done for sid in all_ids], dtype=bool)
+    done = finished(out, all_ids.to_pylist())  # bool [N]: committed or rejected by an earlier run
+    todo = ~done
     todo_tokens = int(lengths[todo].sum())
-    skipped = int((~todo).sum())
+    skipped = int(done.sum())
     if skipped:
         say(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go")
     if not todo.any():
@@ -220,20 +260,20 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
     rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
-    done_ref = ray.put(done)
     # A StoreError (disk full) or EngineError raised in the engine actor must reach the caller as itself,
     # not as Ray Data's UserCodeException, whose only trace of it is the remote traceback text.
     ray.data.DataContext.get_current().raise_original_map_exception = True
+    ds = ray.data.read_parquet(str(src))
+    if done.any():  # the finished ids travel once, with the filter
+        ds = ds.map_batches(_drop_ids, fn_kwargs=dict(drop=all_ids.filter(pa.array(done)).combine_chunks()),
+                            batch_format="pyarrow", batch_size=None)
     # One block per engine batch: a single-block input would run every batch in one sequential task
     # and leave the actor pool (and each actor's concurrent calls) idle.
-    ds = ray.data.read_parquet(str(src)).repartition(max(1, math.ceil(int(todo.sum()) / rows_per_batch)))
-    if done:
-        ds = ds.filter(lambda row, ref=done_ref: row["sample_id"] not in ray.get(ref))
+    ds = ds.repartition(max(1, math.ceil(int(todo.sum()) / rows_per_batch)))
     ds = ds.map_batches(
         CaptureWriteUDF,
         fn_constructor_kwargs=dict(
-            target_cfg=cfg.target.model_dump(), batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=meta,
-            run=cfg.name,
+            target=cfg.target, batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=meta, run=cfg.name,
         ),
         compute=ray.data.ActorPoolStrategy(
             min_size=cfg.extract.num_actors,

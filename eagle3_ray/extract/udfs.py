@@ -1,4 +1,5 @@
-"""Ray Data callable classes: tokenize, capture (online: features flow on), capture-and-write (offline).
+"""Ray Data callable classes of the stages: tokenize (prepare), capture-and-write (offline extract),
+capture into packed training rows (online/hybrid training).
 
 Each class loads its heavy state once in ``__init__`` and transforms numpy batches in
 ``__call__``; the compute they call (chat templates, engines, the store) has no Ray in it.
@@ -7,12 +8,14 @@ bf16 hidden states travel through Ray Data as uint16 views (numpy/Arrow have no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from eagle3_ray.config import TargetConfig
 
@@ -29,7 +32,8 @@ def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 class TokenizeUDF:
-    """messages -> input_ids / loss_mask with the tokenizer's own chat template; rejects keep a reason."""
+    """messages -> input_ids / loss_mask with the tokenizer's own chat template, and each row's token
+    and loss-token counts; a rejected row keeps its reason in ``reject`` ("" for a kept row)."""
 
     def __init__(self, tokenizer_path: str, max_length: int, truncate: bool, run: str = ""):
         from transformers import AutoTokenizer
@@ -61,25 +65,28 @@ class TokenizeUDF:
             rejects.append("")
         _record_stage(self.run, "prepare", sum(1 for r in rejects if not r), sum(n_tokens),
                       sum(1 for r in rejects if r))
-        return {
-            "sample_id": batch["sample_id"],
-            "source": batch["source"],
-            "input_ids": _ragged(ids),
-            "loss_mask": _ragged(masks),
-            "num_tokens": np.asarray(n_tokens, dtype=np.int64),
-            "reject": np.asarray(rejects, dtype=object),
-        }
+        # An Arrow table, so that the token columns stay list<int32> / list<uint8> (the prepared
+        # parquet's types) rather than becoming Ray Data tensor columns.
+        return pa.table({
+            "sample_id": pa.array([str(s) for s in batch["sample_id"]], pa.string()),
+            "source": pa.array([str(s) for s in batch["source"]], pa.string()),
+            "input_ids": pa.array(ids, pa.list_(pa.int32())),
+            "loss_mask": pa.array(masks, pa.list_(pa.uint8())),
+            "num_tokens": pa.array(n_tokens, pa.int64()),
+            "loss_tokens": pa.array([int(m.sum()) for m in masks], pa.int64()),
+            "reject": pa.array(rejects, pa.string()),
+        })
 
 
 class CaptureUDF:
     """The engine actor: one target engine per actor, full-sequence capture of aux + last hidden."""
 
-    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, expected_hidden: int, run: str = "",
+    def __init__(self, target: TargetConfig, batch_tokens: int, expected_hidden: int, run: str = "",
                  stage: str = "capture"):
         from eagle3_ray.engines.factory import build_engine
 
         self.run, self.stage = run, stage
-        self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
+        self.engine = build_engine(target, batch_tokens=batch_tokens)
         if self.engine.info.hidden_size != expected_hidden:
             raise RuntimeError(
                 f"engine hidden size {self.engine.info.hidden_size} != planned {expected_hidden}"
@@ -101,6 +108,105 @@ class CaptureUDF:
         metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
         # Every input column travels on (online mode carries its pack keys through the engine).
         return {**batch, "aux_hidden": _ragged(aux), "last_hidden": _ragged(last)}
+
+
+PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
+
+
+class PackCaptureUDF(CaptureUDF):
+    """Engine actor of online/hybrid training: rows {key, samples} in, packed micro-batch rows out.
+
+    Loads the prepared token ids once; each call captures every sample of its packs in one engine
+    call (the engine actor of `CaptureUDF`: its engine, not its numpy rows), drops samples that fail
+    record validation (counted as rejects), and, in hybrid mode, commits them to the feature store
+    under a writer id derived from the pack keys (a retried call finds its shard and does not write
+    it twice). Hidden states stay bf16 tensors until the packed row (the layout of train/data.py,
+    bf16 as uint16) leaves the actor.
+    """
+
+    def __init__(self, prepared: str, target: TargetConfig, batch_tokens: int, meta: StoreMeta,
+                 run: str = "", store_root: str | None = None):
+        from eagle3_ray.extract.pipeline import read_prepared
+
+        super().__init__(target, batch_tokens, meta.hidden_size, run=run, stage="online")
+        self.sample_ids, _, self.ids, self.masks = read_prepared(prepared)
+        self.meta, self.store_root = meta, store_root
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        packs = [np.asarray(s, dtype=np.int64) for s in batch["samples"]]
+        flat = np.concatenate(packs)  # prepared indices of every sample in this call
+        records = [self._record(i, c) for i, c in zip(flat, self._capture([self.ids[i].tolist() for i in flat]))]
+        keep = self._validate_or_store(records, batch["key"])
+        rows, start = [], 0
+        for pack in packs:
+            kept = [records[j] for j in range(start, start + len(pack)) if keep[j]]
+            start += len(pack)
+            rows.append(_packed_row(kept) if kept else None)
+        ok = [i for i, r in enumerate(rows) if r is not None]
+        return {"key": batch["key"][ok], **{k: _ragged([rows[i][k] for i in ok]) for k in PACKED_KEYS}}
+
+    def _capture(self, seqs: list[list[int]]) -> list:
+        """The engine's captures of `seqs`, counted on the dashboard as `CaptureUDF` counts its own."""
+        from eagle3_ray import metrics
+
+        t0 = time.monotonic()
+        captures = self.engine.capture(seqs)
+        tokens = sum(len(q) for q in seqs)
+        metrics.inc("samples", len(seqs), self.run, self.stage)
+        metrics.inc("tokens", tokens, self.run, self.stage)
+        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
+        return captures
+
+    def _record(self, i: int, capture) -> dict[str, Any]:
+        import torch
+
+        return {
+            "sample_id": self.sample_ids[i],
+            "input_ids": torch.from_numpy(self.ids[i]),  # [T] int32
+            "loss_mask": torch.from_numpy(self.masks[i]),  # [T] uint8
+            "aux_hidden": capture.aux_hidden.to(torch.bfloat16),  # [T, 3H]
+            "last_hidden": capture.last_hidden.to(torch.bfloat16),  # [T, H]
+        }
+
+    def _validate_or_store(self, records: list[dict[str, Any]], keys: np.ndarray) -> list[bool]:
+        from eagle3_ray import metrics
+        from eagle3_ray.errors import SampleRejected
+        from eagle3_ray.features.record import validate_record
+        from eagle3_ray.features.store import FeatureStoreWriter
+
+        keep = []
+        if self.store_root is None:
+            for rec in records:
+                try:
+                    validate_record(rec, self.meta.hidden_size, self.meta.vocab_size)
+                    keep.append(True)
+                except SampleRejected:
+                    keep.append(False)
+        else:
+            wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
+            with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
+                                    shard_max_bytes=2**62) as w:
+                for rec in records:
+                    try:
+                        w.add(rec)
+                        keep.append(True)
+                    except SampleRejected as e:
+                        w.reject(rec["sample_id"], "online", str(e), stage="extract")
+                        keep.append(False)
+            metrics.inc("bytes_written", sum(p.stat().st_size for p in w.shards_written), self.run, "store")
+        metrics.inc("rejects", keep.count(False), self.run, self.stage)
+        return keep
+
+
+def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Records -> one packed row in the layout of train/data.py (bf16 as uint16)."""
+    import torch
+
+    from eagle3_ray.features.record import bf16_to_uint16
+    from eagle3_ray.train.packing import collate
+
+    packed = collate(records)
+    return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
 # Fault-injection tests only: while the file this names exists, an engine actor waits after
@@ -136,12 +242,11 @@ class CaptureWriteUDF:
     (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
     """
 
-    def __init__(self, target_cfg: dict[str, Any], batch_tokens: int, root: str, meta: StoreMeta,
-                 run: str = ""):
+    def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta, run: str = ""):
         from eagle3_ray.engines.factory import build_engine
 
         self.run = run
-        self.engine = build_engine(TargetConfig.model_validate(target_cfg), batch_tokens=batch_tokens)
+        self.engine = build_engine(target, batch_tokens=batch_tokens)
         if self.engine.info.hidden_size != meta.hidden_size:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
         self.root, self.meta = root, meta
@@ -149,8 +254,6 @@ class CaptureWriteUDF:
         self.hold = os.environ.get(HOLD_ENV)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import hashlib
-
         import torch
 
         from eagle3_ray.errors import SampleRejected
