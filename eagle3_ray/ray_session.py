@@ -60,25 +60,35 @@ def init_ray(cfg: RayConfig):
 SHARED_CHECK_TIMEOUT_S = 120
 
 
-def _read_probe(path: str) -> tuple[str, str]:
-    """(this node's address, the probe's content or "" when this node cannot read it)."""
+def _read_probes(paths: list[str]) -> tuple[str, list[str]]:
+    """(this node's address, each probe's content, "" where this node cannot read it)."""
     import ray
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            return ray.util.get_node_ip_address(), f.read()
-    except OSError:
-        return ray.util.get_node_ip_address(), ""
+    seen = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                seen.append(f.read())
+        except OSError:
+            seen.append("")
+    return ray.util.get_node_ip_address(), seen
 
 
 def check_shared_dir(path: str | Path, what: str) -> None:
-    """Refuse to start when a node of the cluster cannot see the directory ``path`` (PreflightError).
+    """Refuse to start when a node of the cluster cannot see the directory ``path`` (PreflightError);
+    see check_shared_dirs."""
+    check_shared_dirs({path: what})
 
-    Stage outputs written by actors on every node (the feature store) must be on storage that every
-    node mounts at the same path. The driver writes a probe file with a random token there and one
-    zero-CPU task per alive node reads it back; a node that sees no file, or another file at that
-    path (a node-local directory of the same name), fails the check. A one-node cluster passes
-    without a task.
+
+def check_shared_dirs(dirs: dict[str | Path, str]) -> None:
+    """Refuse to start when a node of the cluster cannot see one of the directories ``dirs`` (path ->
+    what it is, for the message), with a PreflightError naming the directories and the nodes.
+
+    Stage outputs written or read by actors on every node (the feature store, Ray Train's
+    checkpoints) must be on storage that every node mounts at the same path. The driver creates each
+    directory, writes a probe file with a random token there, and one zero-CPU task per alive node
+    reads them all back; a node that sees no file, or another file at that path (a node-local
+    directory of the same name), fails the check. A one-node cluster passes without a task.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -86,24 +96,31 @@ def check_shared_dir(path: str | Path, what: str) -> None:
     from eagle3_ray.errors import PreflightError
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) < 2:
+    if len(nodes) < 2 or not dirs:
         return
-    path = Path(path)
-    token = secrets.token_hex(16)
-    probe = path / f".shared-check-{token[:8]}"
-    probe.write_text(token, encoding="utf-8")
+    paths = [Path(p) for p in dirs]
+    tokens = [secrets.token_hex(16) for _ in paths]
+    probes = [p / f".shared-check-{t[:8]}" for p, t in zip(paths, tokens)]
     try:
-        read = ray.remote(num_cpus=0)(_read_probe)
+        for probe, token in zip(probes, tokens):
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token, encoding="utf-8")
+        read = ray.remote(num_cpus=0)(_read_probes)
         refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                .remote(str(probe)) for n in nodes]
+                .remote([str(p) for p in probes]) for n in nodes]
         seen = ray.get(refs, timeout=SHARED_CHECK_TIMEOUT_S)
     finally:
-        probe.unlink(missing_ok=True)
-    blind = sorted(ip for ip, content in seen if content != token)
-    log.info("shared-storage check of %s: %d node(s), blind: %s", path, len(seen), blind or "none")
-    if blind:
+        for probe in probes:
+            probe.unlink(missing_ok=True)
+    problems = []
+    for i, (path, what) in enumerate(zip(paths, dirs.values())):
+        blind = sorted(ip for ip, contents in seen if contents[i] != tokens[i])
+        log.info("shared-storage check of %s: %d node(s), blind: %s", path, len(seen), blind or "none")
+        if blind:
+            problems.append(f"{what} {path} is not visible from Ray node(s) {', '.join(blind)} "
+                            f"({len(seen) - len(blind)} of {len(seen)} nodes see it)")
+    if problems:
         raise PreflightError(
-            f"{what} {path} is not visible from Ray node(s) {', '.join(blind)} ({len(seen) - len(blind)} of "
-            f"{len(seen)} nodes see it): every node that runs this stage's actors writes there. Put it on "
+            "; ".join(problems) + ": every node that runs this stage's actors or workers uses it. Put it on "
             "storage that every node mounts at the same path (NFS, a shared volume), or run on one node"
         )
