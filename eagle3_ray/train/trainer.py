@@ -28,6 +28,7 @@ from eagle3_ray.extract.vocab_stage import data_fingerprint
 from eagle3_ray.features import open_store
 from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
+from eagle3_ray.ray_session import check_shared_dirs
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
@@ -165,6 +166,9 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
         check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
         say(f"[train] resuming from {previous}")
         job.resume_from = str(previous)
+    # Every worker writes its checkpoint shards to storage and reads the heads under out: refuse a
+    # directory that a node of the cluster does not see, before any worker starts.
+    check_shared_dirs({storage: "ray.storage_path (Ray Train's checkpoints)", out: "--out"})
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"job": job},
