@@ -3,7 +3,6 @@ then the d2t/t2d map of docs/contracts.md ("Vocab map"), cached by data + target
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -31,18 +30,16 @@ class ShardTokenCounter:
         return {"counts": counts[None, :]}
 
 
-def data_fingerprint(store) -> str:
-    """Identifies the set of samples (ids and token counts), independent of shard layout."""
-    h = hashlib.sha256()
-    for sid, n in sorted(zip(store.sample_ids, store.lengths)):
-        h.update(f"{sid}:{n};".encode())
-    return h.hexdigest()[:16]
-
-
 def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Path:
     import ray
 
-    from eagle3_ray.data.vocab import build_vocab_map, load_vocab_map, save_vocab_map, vocab_fingerprint
+    from eagle3_ray.data.vocab import (
+        build_vocab_map,
+        data_fingerprint,
+        load_vocab_map,
+        save_vocab_map,
+        vocab_fingerprint,
+    )
     from eagle3_ray.features import open_store
 
     out = Path(out)
@@ -50,7 +47,8 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
     save_resolved(cfg, out)
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     vocab_size = int(store.meta.vocab_size)
-    fp = vocab_fingerprint(data_fingerprint(store), store.meta.target_fingerprint, cfg.vocab.draft_vocab_size)
+    fp = vocab_fingerprint(data_fingerprint(store.sample_ids, store.lengths), store.meta.target_fingerprint,
+                           cfg.vocab.draft_vocab_size)
     path = out / VOCAB_FILE
     if path.is_file():
         _, _, meta = load_vocab_map(path)

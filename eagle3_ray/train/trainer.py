@@ -19,12 +19,11 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.vocab import load_vocab_map
+from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.engines.describe import describe_target, target_hf_config
 from eagle3_ray.engines.heads import save_target_heads
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
-from eagle3_ray.extract.vocab_stage import data_fingerprint
 from eagle3_ray.features import open_store
 from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
@@ -72,7 +71,8 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     if t.val_share > 0 and len(held) == 0:
         raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(store)}-sample store; "
                           "give a store of at least 2 samples or set train.val_share=0")
-    job, packs = build_job(cfg, store.lengths, data_fingerprint(store), vocab, out, info, keep=keep)
+    data_fp = data_fingerprint(store.sample_ids, store.lengths)
+    job, packs = build_job(cfg, store.lengths, data_fp, vocab, out, info, keep=keep)
     val_packs = remap(plan(store.lengths[held], t.batch_tokens, 1, t.seed), held) if len(held) else []
     job.val_packs = len(val_packs)
     if val_packs:
