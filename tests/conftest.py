@@ -221,11 +221,15 @@ def local_head():
 
 @pytest.fixture
 def submitted_pipeline_job(local_head, tmp_path_factory):
-    """ci-tiny's pipeline (prepare .. train) submitted once with `ray job submit` to `local_head`."""
+    """ci-tiny's pipeline (prepare .. train) submitted once with `ray job submit` to `local_head`;
+    the head's metric series seen while it ran in "series_seen" (test_metrics.py)."""
     from test_jobs import submit_pipeline_job
+    from test_metrics import SeriesWatch
 
     if "job" not in _head:
-        _head["job"] = submit_pipeline_job(local_head, tmp_path_factory.mktemp("pipeline_job") / "run")
+        with SeriesWatch(int(local_head["RAY_METRICS_PORT"])) as watch:
+            _head["job"] = submit_pipeline_job(local_head, tmp_path_factory.mktemp("pipeline_job") / "run")
+        _head["job"]["series_seen"] = watch.seen
     return _head["job"]
 
 

@@ -1,4 +1,5 @@
-"""Custom dashboard metrics: a tiny extraction on a real local head, scraped from its Prometheus port."""
+"""Custom dashboard metrics: the extraction of the pipeline job that test_jobs.py submits to a real
+local head (conftest.py's ``submitted_pipeline_job``), scraped from the head's Prometheus port."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRAPE_TIMEOUT_S = 90
-RUN = "ci-metrics"  # the config `name`, i.e. the `run` tag of this test's series
+RUN = "ci-tiny"  # the config `name` of the submitted job, i.e. the `run` tag of its series
 SERIES = re.compile(r'^(?P<name>ray_eagle3_\w+)\{(?P<tags>[^}]*)\} (?P<value>\S+)$', re.M)
 
 
@@ -31,6 +33,39 @@ def total(series, name: str, **tags: str) -> float:
     return sum(v for n, t, v in series if n == name and all(t.get(k) == w for k, w in tags.items()))
 
 
+class SeriesWatch:
+    """Scrapes a head's endpoint every ``every_s`` in a thread while a run goes on, keeping every
+    series seen (its last value). A gauge of an ended actor ages out of the endpoint ~20 s after its
+    last export, and the submitted pipeline trains for longer than that after extracting."""
+
+    def __init__(self, port: int, every_s: float = 1.0):
+        self.port, self.every_s = port, every_s
+        self._seen: dict[tuple[str, frozenset], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                series = scrape(self.port)
+            except OSError:  # the head's agent not up yet, or busy: the next scrape catches up
+                continue
+            for name, tags, value in series:
+                self._seen[(name, frozenset(tags.items()))] = value
+
+    def __enter__(self) -> SeriesWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    @property
+    def seen(self) -> list[tuple[str, dict[str, str], float]]:
+        return [(name, dict(tags), value) for (name, tags), value in self._seen.items()]
+
+
 def test_metrics_record_in_ray_only():
     """Outside Ray the calls are no-ops: checked in a fresh interpreter (this one may hold a session)."""
     code = (
@@ -44,16 +79,11 @@ def test_metrics_record_in_ray_only():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_extraction_metrics_reach_the_prometheus_endpoint(local_head, tmp_path):
-    env = local_head  # shared with test_jobs.py: this run's own `run` tag keeps its series apart
-    out = tmp_path / "features"
-    proc = subprocess.run(
-        ["python", "jobs/extract.py", "-c", "configs/ci-tiny.yaml", "--out", str(out), f"name={RUN}"],
-        cwd=ROOT, env={**env, "RAY_ADDRESS": env["RAY_GCS"]}, capture_output=True, text=True, timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    port = int(env["RAY_METRICS_PORT"])
+def test_extraction_metrics_reach_the_prometheus_endpoint(submitted_pipeline_job):
+    job = submitted_pipeline_job  # its own `run` tag keeps its series apart from any other run's
+    assert job["status"] == "SUCCEEDED", job["logs"][-3000:]
+    summary = json.loads((job["out"] / "features" / "summary.json").read_text())
+    port = int(job["env"]["RAY_METRICS_PORT"])
     run = {"run": RUN}
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
     while True:
@@ -61,16 +91,16 @@ def test_extraction_metrics_reach_the_prometheus_endpoint(local_head, tmp_path):
         if total(series, "ray_eagle3_samples_total", stage="store", **run) >= summary["samples"]:
             break
         assert time.monotonic() < deadline, f"metrics never showed up: {sorted({s[0] for s in series})}"
-        time.sleep(0.5)  # a gauge of an ended actor ages out of the endpoint ~20 s after its last export
+        time.sleep(0.5)
     assert total(series, "ray_eagle3_samples_total", stage="prepare", **run) == 12
     assert total(series, "ray_eagle3_samples_total", stage="capture", **run) == 12
     assert total(series, "ray_eagle3_samples_total", stage="store", **run) == summary["samples"] == 12
     assert total(series, "ray_eagle3_tokens_total", stage="store", **run) == summary["tokens"]
     assert total(series, "ray_eagle3_bytes_written_total", stage="store", **run) == summary["bytes_written"]
     assert total(series, "ray_eagle3_rejects_total", **run) == 0
-    rates = [v for n, t, v in series if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == RUN]
+    # The engine actors' gauges, seen while the job ran (conftest.py's SeriesWatch around the job).
+    rates = [v for n, t, v in job["series_seen"] if n == "ray_eagle3_extract_tokens_per_s" and t.get("run") == RUN]
     assert rates and all(v > 0 for v in rates)
-
 
 
 def test_a_logged_training_step_sets_its_gauges(ray_local):
