@@ -11,6 +11,8 @@ processes), never by ``ray stop``, which would end every Ray of the user on the 
         c.connect()                              # ray.init as a driver on the head's address
         c.add_worker()                           # 127.0.0.4 joins
         c.kill_raylet(c.workers[0])              # SIGKILL that node's raylet: the node dies
+        c.add_worker(ip="127.0.0.3")             # ... and it comes back on its address (a new Ray node)
+        c.kill_node(c.workers[-1])               # SIGKILL every process of a node (a lost machine)
 
 Usable by hand too: ``python tests/loopback_cluster.py 1`` starts a head and one worker node,
 prints the environment a client needs and stops them on Ctrl-C.
@@ -159,7 +161,7 @@ class LoopbackCluster:
             raise
         return self
 
-    def _spawn(self, ip: str, args: list[str], name: str) -> Node:
+    def _spawn(self, ip: str, args: list[str], name: str, node_local: Path | None = None) -> Node:
         temp_dir = str(self.root / name)
         os.makedirs(temp_dir, exist_ok=True)
         # Each node's processes (raylet, workers) run in a directory of their own: a path under
@@ -176,6 +178,13 @@ class LoopbackCluster:
                "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
                "--runtime-env-agent-port", str(runtime_env), "--object-manager-port", str(om),
                "--node-manager-port", str(nm), *args]
+        if node_local is not None:
+            # Its own user and mount namespace with an empty tmpfs over node_local: this node sees
+            # another (empty) directory at that path than the other nodes do, as with a node-local
+            # disk mounted at the same path. `sh` execs `ray start`: the pid stays the node's.
+            node_local.mkdir(parents=True, exist_ok=True)
+            cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                   'mount -t tmpfs tmpfs "$0" && exec "$@"', str(node_local), *cmd]
         with open(log, "ab") as f:
             # A driver started on this node (a `ray job submit` entrypoint) joins as this address.
             proc = subprocess.Popen(cmd, env={**self.base_env, "EAGLE3_RAY_NODE_IP": ip}, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
@@ -193,14 +202,21 @@ class LoopbackCluster:
         self.head = self._spawn(HEAD_IP, args, "head")
         self.wait_for(self.head)
 
-    def add_worker(self, num_cpus: int | None = None, resources: str | None = None, wait: bool = True) -> Node:
-        """Start a worker node on the next loopback address (127.0.0.3, 127.0.0.4, ...)."""
-        ip = f"127.0.0.{self._next_ip}"
-        self._next_ip += 1
+    def add_worker(self, num_cpus: int | None = None, resources: str | None = None, wait: bool = True,
+                   ip: str | None = None, node_local: Path | None = None) -> Node:
+        """Start a worker node on the next loopback address (127.0.0.3, 127.0.0.4, ...), or on ``ip``
+        (a node that died coming back on its address: a new Ray node, with a new node id).
+        ``node_local``: a directory that this node alone sees as another, empty one (see _spawn)."""
+        if ip is None:
+            ip = f"127.0.0.{self._next_ip}"
+            self._next_ip += 1
+        name = f"w{ip.rsplit('.', 1)[1]}"
+        earlier = sum(w.ip == ip for w in self.workers)
+        name += f"-{earlier}" if earlier else ""
         args = ["--address", self.address, "--num-cpus", str(self.worker_cpus if num_cpus is None else num_cpus)]
         if resources:
             args += ["--resources", resources]
-        node = self._spawn(ip, args, f"w{ip.rsplit('.', 1)[1]}")
+        node = self._spawn(ip, args, name, node_local=node_local)
         self.workers.append(node)
         if wait:
             self.wait_for(node)
@@ -223,6 +239,17 @@ class LoopbackCluster:
         raylet = node.raylet()
         raylet.send_signal(signal.SIGKILL)
         return raylet.pid
+
+    def kill_node(self, node: Node) -> list[int]:
+        """SIGKILL every process of the node at once (its `ray start`, raylet, agents, workers), as
+        a machine that is lost; returns their pids."""
+        procs = node.processes()
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                continue
+        return [p.pid for p in procs]
 
     def stop_node(self, node: Node) -> None:
         procs = node.processes()

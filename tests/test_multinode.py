@@ -9,6 +9,10 @@ subprocess driver per scenario (each would import torch, transformers and Ray ag
 Scenarios, each one run whose checks are separate tests:
   * ``ray job submit`` of ci-tiny (prepare + extract, two engine actors) to the two nodes: the
     actors spread one per node and each shard marker names the node that wrote it.
+  * Ray Train with one worker per node: every process of the 127.0.0.3 node is SIGKILLed after the
+    first checkpoint; the head alone cannot hold both workers, the node comes back on its address (a
+    new Ray node, its own mount namespace) and training resumes from the last checkpoint on both.
+    That node sees a directory of its own at NODE_LOCAL: Ray Train storage there is refused at start.
   * an extraction held mid-run (the engine actors wait after each commit while a hold file exists):
     a third node joins and the elastic pool puts an actor on it, then the 127.0.0.3 node's raylet is
     SIGKILLed; released, the run ends with every sample committed once.
@@ -42,17 +46,18 @@ ENGINE_ACTOR_CLASS = "MapWorker(MapBatches(CaptureWriteUDF))"
 # starves them: the run hangs), and each worker node holds exactly one actor.
 HEAD_CPUS, WORKER_CPUS, ACTOR_CPUS = 3, 2, 2
 ACTORS = f"extract.num_cpus_per_actor={ACTOR_CPUS}"
+NODE_LOCAL = "node-local"  # under the cluster's root: the node that comes back sees its own, empty one
 
 
 @pytest.fixture(scope="module")
-def cluster(ci_tiny_prepared):
+def cluster(ci_tiny_inputs, start_local_ray):
     """The module's two-node loopback cluster, with this process as its driver.
 
-    ``ci_tiny_prepared`` is built first, on the session's local Ray, which is then shut down (one
-    process is the driver of one cluster) and started again after the module."""
+    ``ci_tiny_inputs`` (prepared data, features, vocab) is built first, on the session's local Ray,
+    which is then shut down (one process is the driver of one cluster) and started again after the
+    module."""
     import ray
 
-    from conftest import init_local_ray
     from eagle3_ray.extract.udfs import HOLD_ENV
 
     had_local = ray.is_initialized()
@@ -61,9 +66,11 @@ def cluster(ci_tiny_prepared):
     c = LoopbackCluster(workers=1, head_cpus=HEAD_CPUS, worker_cpus=WORKER_CPUS).start()
     hold = c.root / "hold"
     try:
-        # The engine actors read the hold file's path from their environment (HOLD_ENV).
+        # The engine actors read the hold file's path from their environment (HOLD_ENV); training
+        # workers' gloo binds the loopback interface (its default is the host name's address).
         c.connect(log_to_driver=False, configure_logging=False,
-                  runtime_env={"env_vars": {HOLD_ENV: str(hold), "TOKENIZERS_PARALLELISM": "false"}})
+                  runtime_env={"env_vars": {HOLD_ENV: str(hold), "TOKENIZERS_PARALLELISM": "false",
+                                            "GLOO_SOCKET_IFNAME": "lo"}})
         c.hold = hold
         yield c
     finally:
@@ -75,7 +82,7 @@ def cluster(ci_tiny_prepared):
             else:
                 os.environ[k] = v
         if had_local:
-            init_local_ray()
+            start_local_ray()
 
 
 def _markers(store: Path) -> list[dict]:
@@ -156,6 +163,140 @@ def test_engine_actors_spread_and_markers_name_their_node(two_node_job, cluster)
     assert {re.search(r"on node (\S+):", ln).group(1) for ln in lines} == {m["node"]["ip"] for m in markers}
 
 
+# ---------------------------------------------------------------- Ray Train across nodes, a node lost
+
+TRAIN_STEPS, TRAIN_EVERY = 8, 2
+TRAIN_WORKER_CLASS = "RayTrainWorker"
+
+
+def _train_metrics(out: Path) -> list[dict]:
+    """The steps rank 0 logged (a line it is still appending is left out)."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")] \
+        if path.is_file() else []
+
+
+def _node_id(ip: str) -> str:
+    import ray
+
+    [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip]
+    return node
+
+
+def _train_workers(cluster) -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(address=cluster.job_api, filters=[("class_name", "=", TRAIN_WORKER_CLASS)], detail=True,
+                       raise_on_missing_output=False)
+
+
+@pytest.fixture(scope="module")
+def training_node_lost(cluster, ci_tiny_inputs, tmp_path_factory):
+    """ci-tiny training on two Ray Train workers of WORKER_CPUS each: the head (HEAD_CPUS) holds one
+    and keeps a CPU for the pack loader, the 127.0.0.3 node the other. Once a step past the first
+    checkpoint is logged, every process of that node is SIGKILLed (a lost machine). The head alone
+    cannot hold both workers, so Ray Train's restart waits; the node comes back on its address and
+    the run goes on to the end. Returns what the tests check."""
+    import ray
+
+    from eagle3_ray.config import load_config
+    from eagle3_ray.train.trainer import run_training
+    from test_fault_injection import Background, _wait_for
+
+    cfg = load_config(CI_CONFIG, ["train.num_workers=2", f"train.cpus_per_worker={WORKER_CPUS}",
+                                  f"train.max_steps={TRAIN_STEPS}", f"train.checkpoint_every={TRAIN_EVERY}",
+                                  "train.log_every=1", "train.max_failures=2"])
+    out = tmp_path_factory.mktemp("multinode_train") / "train"
+    lost = next(w for w in cluster.workers if w.alive() and w.ip == WORKER_IP)
+    head_id, lost_id = _node_id(HEAD_IP), _node_id(WORKER_IP)
+    t0 = time.monotonic()
+    times, killed = {}, []
+    run = Background(lambda: run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out))
+    try:
+        # a step logged after the first checkpoint's report: that checkpoint is registered
+        _wait_for("a step past the first checkpoint",
+                  lambda: any(m["step"] > TRAIN_EVERY + 1 for m in _train_metrics(out)), run.alive)
+        logged_at_kill = max(m["step"] for m in _train_metrics(out))
+        times["killed_at_s"] = time.monotonic() - t0
+        killed = cluster.kill_node(lost)
+        killed_at = time.monotonic()
+        alive_at_kill = run.alive()
+        _wait_for("the lost node to be declared dead",
+                  lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == lost_id), run.alive, poll_s=0.5)
+        times["death_detected_after_kill_s"] = time.monotonic() - killed_at
+    finally:
+        if killed:  # the node comes back (also when the checks above fail: later scenarios need it)
+            back = cluster.add_worker(ip=WORKER_IP, node_local=cluster.root / NODE_LOCAL)
+    times["node_back_after_kill_s"] = time.monotonic() - killed_at
+    final = run.join()
+    times["run_s"] = time.monotonic() - t0
+    workers = _train_workers(cluster)
+    ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return {"final": final, "logged": _train_metrics(out), "logged_at_kill": logged_at_kill, "killed": killed,
+            "alive_at_kill": alive_at_kill, "head_id": head_id,
+            "lost_id": lost_id, "back": back, "back_id": _node_id(WORKER_IP),
+            "placed": sorted(_actor_node_ip(a, ip_of) for a in workers), "worker_node_ids": [a.node_id for a in workers],
+            "times": {k: round(v, 1) for k, v in times.items()}}
+
+
+def test_node_lost_mid_training_resumes_from_the_last_checkpoint(training_node_lost):
+    from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
+
+    r = training_node_lost
+    assert r["killed"] and r["alive_at_kill"] and r["logged_at_kill"] < TRAIN_STEPS, "the loss must land mid-training"
+    state = read_train_state(r["final"])
+    assert state["step"] == TRAIN_STEPS and state["world_size"] == 2
+    seq = [m["step"] for m in r["logged"]]
+    restarts = [i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]]
+    assert len(restarts) == 1, f"exactly one restart expected in the step log {seq}"
+    i = restarts[0]
+    resumed_from = seq[i] - 1
+    assert TRAIN_EVERY <= resumed_from <= r["logged_at_kill"] and resumed_from % TRAIN_EVERY == 0, (
+        f"resumed at step {resumed_from}, not a checkpoint before the loss (step {r['logged_at_kill']} logged)")
+    assert seq[:i] == list(range(1, seq[i - 1] + 1)) and seq[i:] == list(range(resumed_from + 1, TRAIN_STEPS + 1))
+    before, after = {m["step"]: m for m in r["logged"][:i]}, {m["step"]: m for m in r["logged"][i:]}
+    for s in set(before) & set(after):  # the LR schedule continues where the checkpoint left it
+        assert after[s]["lr"] == pytest.approx(before[s]["lr"], rel=1e-6)
+    # Data position: one pack per worker per step, none consumed twice across the restart.
+    assert len(consumed_packs(r["final"])) == 2 * TRAIN_STEPS
+    print("[reliability] multinode-train", json.dumps({  # figures for docs/reliability.md (pytest -s)
+        "step_logged_at_loss": r["logged_at_kill"], "resumed_from_step": resumed_from,
+        "final_step": state["step"], "processes_killed": len(r["killed"]), **r["times"]}))
+
+
+def test_training_ran_one_worker_per_node_before_and_after_the_loss(training_node_lost):
+    import ray
+
+    r = training_node_lost
+    # Two attempts, each one worker on the head (it holds one: HEAD_CPUS < 2 * WORKER_CPUS) and one
+    # on 127.0.0.3: the lost node, then the new one.
+    assert r["placed"] == [HEAD_IP, HEAD_IP, WORKER_IP, WORKER_IP], r["placed"]
+    assert r["back_id"] != r["lost_id"] and r["back_id"] in r["worker_node_ids"]
+    assert r["head_id"] in r["worker_node_ids"]
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == r["lost_id"])
+    assert non_loopback_nodes(ray.nodes()) == []
+
+
+def test_train_storage_that_a_node_cannot_see_fails_at_start(training_node_lost, cluster, ci_tiny_inputs, tmp_path):
+    """Ray Train storage on a directory that the node which came back sees as its own (empty) one:
+    refused before any training worker starts, naming that node."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.errors import PreflightError
+    from eagle3_ray.train.trainer import run_training
+
+    storage = cluster.root / NODE_LOCAL / "ray_train"
+    cfg = load_config(CI_CONFIG, ["train.num_workers=2", f"train.cpus_per_worker={WORKER_CPUS}",
+                                  f"ray.storage_path={storage}"])
+    with pytest.raises(PreflightError) as err:
+        run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "train")
+    msg = str(err.value)
+    assert msg.startswith(f"ray.storage_path (Ray Train's checkpoints) {storage} is not visible from Ray node(s) "
+                          f"{WORKER_IP} (1 of 2 nodes see it)"), msg
+    assert "--out" not in msg and "storage that every node mounts" in msg  # the head and that node share --out
+    assert not (tmp_path / "train" / "metrics.jsonl").exists() and not list(storage.iterdir())
+    assert len(_train_workers(cluster)) == len(training_node_lost["placed"])  # no training worker started
+
+
 # ---------------------------------------------------------------- a node joins, a node dies
 
 SCRAPE_TIMEOUT_S = 60
@@ -212,8 +353,9 @@ def held_extraction(cluster, ci_tiny_prepared, tmp_path_factory):
             # (alive): Ray exports a node's series every few seconds.
             joiner_samples = _wait_for("the joined node's metrics", lambda: _store_samples(joiner), run.alive,
                                        deadline_s=SCRAPE_TIMEOUT_S, poll_s=1.0)
+            times["joiner_metrics_s"] = time.monotonic() - t0
             written_before_kill = len(_markers(store))
-            cluster.kill_raylet(cluster.workers[0])
+            cluster.kill_raylet(next(w for w in cluster.workers if w.ip == WORKER_IP and w.alive()))
             killed_at = time.monotonic()
             _wait_for("the killed node to be declared dead",
                       lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == WORKER_IP),
@@ -235,7 +377,8 @@ def test_node_death_mid_extraction_loses_and_duplicates_nothing(held_extraction,
     _assert_each_sample_once(held_extraction["store"], ci_tiny_prepared[1].prepared)
     # The kill landed mid-run: samples were still to do when the node died.
     assert held_extraction["written_before_kill"] < 12
-    assert [n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == WORKER_IP] == [False]
+    at_worker_ip = [n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == WORKER_IP]
+    assert at_worker_ip and not any(at_worker_ip)
     per_node = Counter(m["node"]["ip"] for m in _markers(held_extraction["store"]))
     print("[reliability] multinode", json.dumps({  # figures for docs/reliability.md (pytest -s)
         "shards_per_node": dict(per_node), "shards_before_kill": held_extraction["written_before_kill"],
