@@ -115,6 +115,14 @@ def init_local_ray():
 
 
 @pytest.fixture(scope="session")
+def start_local_ray():
+    """``init_local_ray`` for a module that shuts the shared Ray down and must bring it back
+    (test_multinode.py): a fixture, since ``from conftest import`` finds whichever conftest module
+    was imported first (tests/sglang_contract has its own)."""
+    return init_local_ray
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance shared by every test that needs one (a start costs tens of seconds)."""
     ray = init_local_ray()
