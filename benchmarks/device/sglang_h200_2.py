@@ -20,6 +20,11 @@ sglang_kill_every_sample_once.
                  restarted inside its actor (same parent pid) or Ray restarted the actor.
   c  generate    self-distillation of the demo prompts, DistillActor with target.backend=sglang vs hf
                  (the static batch generator), answers/s.
+  e  plain       batch-1 plain (greedy, no drafter) decoding of the same MT-bench turns, SmolLM2 real
+                 weights: SGLang with CUDA graphs on (replayed turn by turn as the bench replays them)
+                 vs the product's CUDA-graphed StaticTarget baseline (BenchActor, bench.modes=[]):
+                 tokens/s of each and sglang_plain_vs_graphed_plain = SGLang / ours. Multiplied by a
+                 run's spec_vs_graphed_* this gives spec_vs_sglang_plain.
 
 The SmolLM2 GGUF is converted (and part b's data prepared) in a background process at the start.
 
@@ -334,7 +339,7 @@ def part_b(a) -> dict:
 
         shutil.rmtree(store)
     backend = "hf" if a.cpu else "sglang"
-    overrides = [f"target.model={SMOLLM2}", f"target.backend={backend}", "extract.batch_tokens=1024",
+    overrides = [f"target.model={SMOLLM2}", f"target.backend={backend}", f"extract.batch_tokens={a.kill_batch_tokens}",
                  "extract.num_actors=1", "ray.num_cpus=8" if not a.cpu else "ray.num_cpus=4"]
     if not a.cpu:
         overrides += ["extract.num_gpus_per_actor=1", "target.sglang.mem_fraction_static=0.5",
@@ -426,11 +431,57 @@ def part_c(a) -> dict:
     return res
 
 
+# --- e: plain decoding, SGLang (CUDA graphs) vs the product's graphed baseline ---------------------------
+
+
+def part_e(a) -> dict:
+    import tempfile
+
+    import torch
+
+    from eagle3_ray.bench.prompts import load_prompt_sets
+    from eagle3_ray.bench.runner import BenchActor
+    from eagle3_ray.bench.sglang_bench import _run_engine, summarize_run
+    from eagle3_ray.config import BenchConfig, PipelineConfig
+    from eagle3_ray.engines.sglang import engine_kwargs
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "device"))
+    from spec_h200 import random_drafter_dir, tiny_prompts
+
+    work = Path(tempfile.mkdtemp(prefix="plain_"))
+    mt = str(tiny_prompts(work)) if a.cpu else a.mt_bench
+    sets = load_prompt_sets(mt, a.mt_prompts)
+    turns = sum(len(p.turns) for ps in sets.values() for p in ps)
+    new = 12 if a.cpu else a.new_tokens
+    res: dict = {"prompts": sum(map(len, sets.values())), "turns": turns, "max_new_tokens": new}
+    bench = BenchConfig(modes=[], max_new_tokens=new, temperature=0.0, prompt_lookup=False, num_gpus=0 if a.cpu else 1)
+    if not a.cpu:  # SGLang needs CUDA
+        cfg = PipelineConfig(target=target_cfg(str(SMOLLM2), "sglang", mem_fraction_static=0.5), bench=bench)
+        kw = {**engine_kwargs(cfg.target, "generate"), "cuda_graph_max_bs_decode": 4}
+        t = time.perf_counter()
+        raw = summarize_run(_run_engine(kw, cfg, {c: [p.turns for p in ps] for c, ps in sets.items()}))
+        res["sglang"] = {"tokens_per_s": raw["tokens_per_s"], "completion_tokens": raw["completion_tokens"],
+                         "seconds": raw["seconds"], "wall_s_with_start": time.perf_counter() - t,
+                         "cuda_graphs": not kw.get("disable_cuda_graph", False)}
+        log(f"sglang plain: {res['sglang']}")
+        torch.cuda.empty_cache()
+    tcfg = target_cfg(str(SMOLLM2), "hf", cpu=a.cpu)
+    actor = BenchActor(tcfg, random_drafter_dir(tcfg, work))  # the drafter is loaded, never run (modes=[])
+    actor.static_off_cuda = a.cpu
+    ours = actor.run(sets, bench)
+    res["ours"] = {"tokens_per_s": ours["baseline"]["tokens_per_s"], "graphed": ours.get("graphed_baseline"),
+                   "static_target": ours.get("static_target")}
+    log(f"ours plain: {res['ours']}")
+    if res.get("sglang") and res["ours"]["tokens_per_s"]:
+        res["sglang_plain_vs_graphed_plain"] = res["sglang"]["tokens_per_s"] / res["ours"]["tokens_per_s"]
+    return res
+
+
 # part: (name, function, seconds it needs at least, seconds it may take at most)
-PARTS = {"a": ("throughput", part_a, 100, 150), "d": ("deepseek", part_d, 45, 90), "b": ("kill", part_b, 80, 150),
-         "c": ("generate", part_c, 60, 120), "prep": ("prep", prep, 0, 0)}
+PARTS = {"a": ("throughput", part_a, 100, 160), "d": ("deepseek", part_d, 45, 150), "b": ("kill", part_b, 120, 270),
+         "c": ("generate", part_c, 60, 120), "e": ("plain", part_e, 60, 180), "prep": ("prep", prep, 0, 0)}
 KEYS = {"a": "sglang_extract_ratio", "c": "sglang_generate_vs_hf", "d": "deepseek_capture_max_rel_err",
-        "b": "sglang_kill_every_sample_once"}
+        "b": "sglang_kill_every_sample_once", "e": "sglang_plain_vs_graphed_plain"}
 
 
 def run_part(a) -> None:
@@ -462,7 +513,7 @@ def driver(a) -> None:
     summary: dict = {"budget_s": a.budget_s, "parts": {}}
     for p in a.parts.split(","):
         name, _, need, cap = PARTS[p]
-        if p in ("a", "b", "c"):  # b, c need the converted model / prepared data; a is timed (no CPU load beside it)
+        if p in ("a", "b", "c", "e"):  # b, c, e need the converted model / prepared data; a is timed (no CPU load beside it)
             try:
                 bg.wait(timeout=max(1, a.budget_s - (time.monotonic() - t0) - need))
             except subprocess.TimeoutExpired:
@@ -501,7 +552,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=330)
-    p.add_argument("--parts", default="d,a,b,c", help="comma-separated, run in this order")
+    p.add_argument("--parts", default="d,a,e,b", help="comma-separated, run in this order")
     p.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
     p.add_argument("--part-timeout", type=float, default=120, help=argparse.SUPPRESS)
     p.add_argument("--cpu", action="store_true", help="check the script's paths on CPU (fakes, tiny shapes)")
@@ -511,8 +562,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--kill-variants", type=int, default=4, help="part b: samples = 300 demo prompts x this")
-    p.add_argument("--kill-after-shards", type=int, default=3)
+    p.add_argument("--kill-variants", type=int, default=1, help="part b: samples = 300 demo prompts x this")
+    p.add_argument("--kill-after-shards", type=int, default=2)
+    p.add_argument("--kill-batch-tokens", type=int, default=4096, help="part b: extract.batch_tokens")
+    p.add_argument("--mt-bench", default=".gq/mt_bench.jsonl", help="part e: MT-bench questions")
+    p.add_argument("--mt-prompts", type=int, default=4, help="part e: questions (2 turns each)")
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.part:
