@@ -6,10 +6,11 @@
 1. Splits the store's samples into train (~85%) and held-out (~15%) by a hash of the sample id.
 2. Writes every sample to two temporary stores, extract.compact=none and =fp8, and measures bytes
    per token from their shard files.
-3. Trains drafters in-process (no Ray) with the package's compute core from the same seed for the
-   same packs: one on the full features, one on the fp8 store's (dequantized) features; the full
-   format is also trained from a second seed, so the fp8 drop can be read against seed noise.
-4. Evaluates each on the held-out samples in the FULL format with ``ttt_forward`` under no_grad:
+3. Trains drafters in-process (no Ray) through the product's training step (`TrainStep` over a
+   torch engine: AdamW, clipping, warmup-cosine) from the same seed for the same packs: one on the
+   full features, one on the fp8 store's (dequantized) features; the full format is also trained
+   from a second seed, so the fp8 drop can be read against seed noise.
+4. Evaluates each on the held-out samples in the FULL format with the step's forward under no_grad:
    acc_i pooled over held-out tokens (token-weighted), simulated tau = 1 + sum_k prod_{j<=k} acc_j,
    and compact_tau_drop = 1 - tau_fp8 / tau_full (same seed).
 """
@@ -86,17 +87,15 @@ def hidden_error(full, fp8, indices: list[int]) -> dict:
 
 
 def build_drafter(target: str, vocab: Path, store_meta, seed: int, work: Path):
-    from transformers import AutoConfig
-
     from eagle3_ray.config import TargetConfig
     from eagle3_ray.data.vocab import load_vocab_map
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3_ray.engines.describe import target_hf_config
     from eagle3_ray.engines.heads import load_target_heads, save_target_heads
-    from eagle3_ray.engines.targets import resolve_target
 
     embed, lm_head = load_target_heads(save_target_heads(TargetConfig(model=target), work))
     d2t, t2d, _ = load_vocab_map(vocab)
-    hf_config = AutoConfig.from_pretrained(resolve_target(target).config_source.parent)
+    hf_config = target_hf_config(TargetConfig(model=target))  # any target.model, built-in ones too
     cfg = DrafterConfig.from_target(hf_config, len(d2t), store_meta.aux_layers)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
@@ -105,52 +104,62 @@ def build_drafter(target: str, vocab: Path, store_meta, seed: int, work: Path):
     return drafter, lm_head.float()
 
 
-def train(drafter, lm_head, store, indices: list[int], a, seed: int, tag: str) -> dict:
-    from eagle3_ray.drafter.ttt import ttt_forward
-    from eagle3_ray.train.packing import collate, plan
+def make_step(drafter, lm_head, a, total_steps: int):
+    """The product's training step (eagle3_ray/train/step.py) over a plain torch engine: the drafter's
+    AdamW (weight decay 0), gradient clipping 0.5 and the warmup-cosine schedule (floor 5%) over
+    ``total_steps`` optimizer steps, one pack per step."""
     from eagle3_ray.train.schedule import warmup_cosine
+    from eagle3_ray.train.step import StepConfig, TorchEngine, TrainStep, adamw
+
+    opt = adamw([p for p in drafter.parameters() if p.requires_grad], lr=a.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, total_steps, 0.05))
+    return TrainStep(TorchEngine(drafter, opt, sched, grad_accum=1, grad_clip=0.5), lm_head,
+                     StepConfig(ttt_steps=a.ttt_steps, loss_decay=0.8))
+
+
+def train(drafter, lm_head, store, indices: list[int], a, seed: int, tag: str):
+    """Train through `TrainStep`; returns (the step, for the held-out evaluation; the training figures)."""
+    from eagle3_ray.train.packing import collate, plan
 
     records = [store[i] for i in indices]  # bf16, dequantized for an fp8 store
     lengths = np.array([r["input_ids"].numel() for r in records])
     packs = plan(lengths, a.batch_tokens, a.epochs, seed=seed)[: a.steps]
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, len(packs), 0.05))
+    step_fn = make_step(drafter, lm_head, a, len(packs))
     drafter.train()
     t0 = time.perf_counter()
     for step, pack in enumerate(packs):
-        out = ttt_forward(drafter, collate([records[i] for i in pack.samples]), lm_head, a.ttt_steps, 0.8)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+        out = step_fn(collate([records[i] for i in pack.samples]))
         if step % a.log_every == 0 or step == len(packs) - 1:
             m = out.metrics
             log(f"{tag} step {step + 1}/{len(packs)} loss {m['loss']:.3f} acc0 {m['acc_0']:.3f} "
                 f"tau {m['tau']:.3f} ({time.perf_counter() - t0:.0f}s)")
-    return {"steps": len(packs), "tokens": int(sum(p.tokens for p in packs)), "seconds": time.perf_counter() - t0,
-            "final_train_loss": out.metrics["loss"]}
+    return step_fn, {"steps": len(packs), "tokens": int(sum(p.tokens for p in packs)),
+                     "seconds": time.perf_counter() - t0, "final_train_loss": out.metrics["loss"]}
 
 
-@torch.no_grad()
-def evaluate(drafter, lm_head, store, indices: list[int], a) -> dict:
-    """acc_i pooled over every held-out position (token-weighted), tau from the pooled acc_i."""
-    from eagle3_ray.drafter.ttt import ttt_forward
+def evaluate(step_fn, store, indices: list[int], a) -> dict:
+    """acc_i pooled over every held-out position (token-weighted), tau from the pooled acc_i; the
+    forward is the training step's (`TrainStep.forward`), without gradients, in eval mode."""
     from eagle3_ray.train.packing import collate, plan
 
+    drafter = step_fn.drafter
+    was_training = drafter.training
     drafter.eval()
     records = [store[i] for i in indices]
     lengths = np.array([r["input_ids"].numel() for r in records])
     hits = np.zeros(a.ttt_steps)
     count = np.zeros(a.ttt_steps)
     loss = 0.0
-    for pack in plan(lengths, a.batch_tokens, 1, seed=0):
-        m = ttt_forward(drafter, collate([records[i] for i in pack.samples]), lm_head, a.ttt_steps, 0.8).metrics
-        for i in range(a.ttt_steps):
-            hits[i] += m[f"acc_{i}"] * m[f"tokens_{i}"]
-            count[i] += m[f"tokens_{i}"]
-        loss += m["loss"] * m["tokens_0"]
+    try:
+        with torch.no_grad():
+            for pack in plan(lengths, a.batch_tokens, 1, seed=0):
+                m = step_fn.forward(collate([records[i] for i in pack.samples])).metrics
+                for i in range(a.ttt_steps):
+                    hits[i] += m[f"acc_{i}"] * m[f"tokens_{i}"]
+                    count[i] += m[f"tokens_{i}"]
+                loss += m["loss"] * m["tokens_0"]
+    finally:
+        drafter.train(was_training)
     acc = hits / np.maximum(count, 1)
     tau = 1.0 + float(np.cumprod(acc).sum())
     return {"tau": tau, **{f"acc_{i}": float(acc[i]) for i in range(a.ttt_steps)},
@@ -159,8 +168,8 @@ def evaluate(drafter, lm_head, store, indices: list[int], a) -> dict:
 
 def run_arm(tag: str, train_store, eval_store, train_idx, held_idx, seed: int, a, work: Path) -> dict:
     drafter, lm_head = build_drafter(a.target, a.vocab, eval_store.meta, seed, work)
-    info = train(drafter, lm_head, train_store, train_idx, a, seed, tag)
-    ev = evaluate(drafter, lm_head, eval_store, held_idx, a)
+    step_fn, info = train(drafter, lm_head, train_store, train_idx, a, seed, tag)
+    ev = evaluate(step_fn, eval_store, held_idx, a)
     log(f"{tag}: held-out tau {ev['tau']:.4f} " + " ".join(f"acc_{i} {ev[f'acc_{i}']:.4f}" for i in range(a.ttt_steps)))
     return {"format": tag.split("-")[0], "seed": seed, "train": info, "heldout": ev}
 
