@@ -76,7 +76,8 @@ class BenchActor:
             from eagle3_ray.spec import StaticTarget
 
             self._static = StaticTarget(self.target.model, self.drafter.config.aux_layers, max_length=b.max_length)
-            self.info["static_target"] = f"CUDA graphs {self._static.cuda_graphs}, max_length {b.max_length}"
+            self.info["static_target"] = (f"CUDA graphs {self._static.cuda_graphs}, max_length {b.max_length}, "
+                                          f"attention spans {self._static.spans}")
         self._static.draft_graphs = b.draft_graphs
         graphs = self._static.cuda_graphs  # False off CUDA: the same functions run eagerly
         self.info.update(graphed_baseline=graphs, draft_graphs=graphs and b.draft_graphs)
@@ -92,6 +93,9 @@ class BenchActor:
         ids = self._render([{"role": "user", "content": prompt.turns[0]}])
         for run in self._runners(bench).values():
             run(ids, min(WARMUP_TOKENS, bench.max_new_tokens))
+        if self._static is not None:  # every attention span of every width met: no capture in a timed run
+            self._static.capture_spans()
+            self.info["target_graphs"] = len(self._static.graph_keys)
 
     def run_category(self, prompts: list[Prompt], bench: BenchConfig) -> dict[str, list[dict[str, Any]]]:
         """Raw per-turn records of every mode: ``{kind: [{prompt_id, turn, prompt_tokens, identical,

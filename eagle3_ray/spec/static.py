@@ -3,15 +3,24 @@
 A 135M-8B target at batch 1 is launch-bound: one forward of 1 to 64 new tokens costs the same few
 hundred kernel launches whatever its width. ``StaticTarget`` removes that cost: it owns one KV
 storage for every layer, ``[L, 2, kv_heads, max_length, head_dim]``, and captures one CUDA graph
-per forward width it sees (1 for plain decoding, K+1 for a chain, total_tokens+1 for a tree),
-then replays it. Build it once per process and pass it as ``target`` to ``spec.generate`` /
+per forward width it sees (1 for plain decoding, K+1 for a chain, total_tokens+1 for a tree)
+and attention span, then replays it. Build it once per process and pass it as ``target`` to ``spec.generate`` /
 ``spec.target_generate``; every generation reuses the storage and the graphs.
 
 Everything a forward depends on lives in device tensors the graph reads: the token ids, the
 committed length ``past``, each new token's depth (position offset) and the tree mask among the
 new tokens. From them the graphed function itself computes the positions, the cache slots the new
-keys go to (``past + j``) and an additive mask over the whole storage: key s is visible to new
-token q iff s < past, or s = past + r with r an ancestor-or-self of q. Rolling back is therefore
+keys go to (``past + j``) and an additive mask over the attended slots: key s is visible to new
+token q iff s < past, or s = past + r with r an ancestor-or-self of q.
+
+Attention spans: with an explicit mask, sdpa cannot use its flash kernel, and the kernels it uses
+read every key slot they are given; a forward attending over the whole storage therefore costs in
+proportion to ``max_length``, not to the context (SmolLM2-135M on an H200, chain(3) verify: 4.3 ms
+at max_length 2048, 7.4 ms at 8192; benchmarks/results/README.md). So a forward attends only over
+the first ``span`` slots, the smallest of ``spans`` (``MIN_SPAN``, doubling, up to ``max_length``)
+holding the committed and new tokens, and each (width, span) has its own graph:
+``capture_spans`` captures every span of the widths seen so far, so no capture lands later in a
+timed generation. Rolling back is therefore
 free: rejected drafts stay in the storage past the committed length, invisible, and the next
 forward overwrites them. A tree's accepted path is moved down to consecutive slots with one
 gather over all layers.
@@ -38,7 +47,8 @@ from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
 from eagle3_ray.spec.target import TargetOut
 
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
-MAX_GRAPHS = 8  # distinct widths captured at most
+MAX_GRAPHS = 8  # distinct widths captured at most (each with one graph per attention span)
+MIN_SPAN = 256  # the shortest attention span; the next ones double up to max_length
 DRAFT_HEADROOM = 512  # drafter slots past max_length: a tree's expansions ((depth - 1) * topk keys)
 
 
@@ -53,6 +63,8 @@ class StaticTarget:
     ``draft_graphs``: ``spec.generate`` drafts through ``proposer(drafter)``, a ``StaticProposer``
     (static drafter cache, CUDA-graphed chain / tree / commit steps) kept next to this storage;
     False drafts with the eager ``Eagle3Proposer`` (the reference path).
+    ``length_spans``: attend over the smallest span of ``spans`` holding the context (module doc);
+    False attends over the whole storage in every forward (a cost growing with ``max_length``).
     """
 
     def __init__(
@@ -63,6 +75,7 @@ class StaticTarget:
         cuda_graphs: bool = True,
         max_graph_width: int = MAX_GRAPH_WIDTH,
         draft_graphs: bool = True,
+        length_spans: bool = True,
     ):
         text = model.config.get_text_config()
         impl = model.config._attn_implementation
@@ -93,12 +106,17 @@ class StaticTarget:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.storage = torch.zeros(layers, 2, kv_heads, max_length, head_dim, dtype=self.dtype, device=self.device)
         self._slots = Slots()
-        self.cache = Cache(layers=[SlotLayer(self.storage[i, 0][None], self.storage[i, 1][None], self._slots)
-                                   for i in range(layers)])
+        self.spans = attention_spans(max_length) if length_spans else [max_length]
+        # One Cache per span: its layers see the first `span` slots of the storage (views, no copies).
+        self._caches = {span: Cache(layers=[SlotLayer(self.storage[i, 0, :, :span][None],
+                                                      self.storage[i, 1, :, :span][None], self._slots)
+                                            for i in range(layers)]) for span in self.spans}
+        self.cache = self._caches[max_length]
         self._keys = torch.arange(max_length, device=self.device)  # [S]
         self._cache_kwarg, self._takes_cache_position = cache_api(model)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], tuple]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], tuple]] = {}
         self.captured: list[int] = []  # widths with a graph, in capture order
+        self.graph_keys: list[tuple[int, int]] = []  # (width, span) of every graph, in capture order
         self._owner: StaticRunner | None = None
 
     def runner(self, aux_layers: Sequence[int] = ()) -> StaticRunner:
@@ -126,11 +144,13 @@ class StaticTarget:
         return held[1]
 
     # -- the forward, shared by eager calls and graph capture ---------------------------------
-    def _run(self, ids, past, depth, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [W], past [] long, depth [W] long, tree [W, W] bool -> (logits [W, V] fp32, aux [W, A*Ht])."""
+    def _run(self, ids, past, depth, tree, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [W], past [] long, depth [W] long, tree [W, W] bool -> (logits [W, V] fp32, aux [W, A*Ht]),
+        attending over the first ``span`` slots (one of ``spans``; None: all of them)."""
         w = ids.shape[0]
+        span = self.max_length if span is None else span
         self._slots.pos = past + torch.arange(w, device=self.device)  # [W] slots of the new keys
-        rel = self._keys[None, :] - past  # [1, S] key slot relative to the first new token
+        rel = self._keys[None, :span] - past  # [1, S] key slot relative to the first new token
         inside = (rel >= 0) & (rel < w)
         ancestor = tree.gather(1, rel.clamp(0, w - 1).expand(w, -1))  # [W, S]
         visible = (rel < 0) | (inside & ancestor)
@@ -143,7 +163,7 @@ class StaticTarget:
             attention_mask=mask,
             use_cache=True,
             output_hidden_states=self.aux_layers or False,
-            **{self._cache_kwarg: self.cache},
+            **{self._cache_kwarg: self._caches[span]},
             **extra,
         )
         aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
@@ -151,17 +171,18 @@ class StaticTarget:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, past: int, depth: torch.Tensor, tree: torch.Tensor) -> TargetOut:
-        """One forward of the new tokens ``ids`` after ``past`` committed ones; prompts (past = 0)
-        run eagerly, every later width through its graph."""
+        """One forward of the new tokens ``ids`` after ``past`` committed ones over the span that
+        holds them; prompts (past = 0) run eagerly, every later width through its graph."""
         w = ids.shape[0]
         if past + w > self.max_length:
             raise ConfigError(
                 f"this generation needs {past + w} cache slots, the StaticTarget holds max_length={self.max_length}; "
                 "build it with a larger max_length or ask for fewer tokens"
             )
-        graph = self._graph(w) if past > 0 else None  # a prompt's length varies: no graph for it
+        span = self.span(past + w)
+        graph = self._graph(w, span) if past > 0 else None  # a prompt's length varies: no graph for it
         if graph is None:
-            logits, aux = self._run(ids, torch.tensor(past, device=self.device), depth, tree)
+            logits, aux = self._run(ids, torch.tensor(past, device=self.device), depth, tree, span)
             return TargetOut(logits, aux)
         g, buf, (logits, aux) = graph
         buf["ids"].copy_(ids, non_blocking=True)
@@ -172,25 +193,48 @@ class StaticTarget:
         # Copies: the next replay overwrites the graph's outputs.
         return TargetOut(logits.clone(), None if aux is None else aux.clone())
 
-    def _graph(self, w: int):
+    def span(self, n: int) -> int:
+        """The attention span of a forward whose committed + new tokens are ``n``: the smallest of
+        ``spans`` holding them."""
+        return next(s for s in self.spans if s >= n)
+
+    @torch.inference_mode()
+    def capture_spans(self) -> list[tuple[int, int]]:
+        """Capture the graph of every span for every width captured so far (call it after a
+        warm-up generation per mode, so no capture lands in a timed one); returns the new keys."""
+        before = len(self.graph_keys)
+        for w in list(self.captured):
+            for span in self.spans:
+                if span >= w:
+                    self._graph(w, span)
+        return self.graph_keys[before:]
+
+    def _graph(self, w: int, span: int):
         if not self.cuda_graphs or w > self.max_graph_width:
             return None
-        if w not in self._graphs and len(self._graphs) < MAX_GRAPHS:
-            self._graphs[w] = self._capture(w)
-            self.captured.append(w)
-        return self._graphs.get(w)
+        if (w, span) not in self._graphs and (w in self.captured or len(self.captured) < MAX_GRAPHS):
+            self._graphs[w, span] = self._capture(w, span)
+            if w not in self.captured:
+                self.captured.append(w)
+            self.graph_keys.append((w, span))
+        return self._graphs.get((w, span))
 
-    def _capture(self, w: int):
+    def _capture(self, w: int, span: int):
         dev = self.device
+        lo = span - w
         buf = {
             "ids": torch.zeros(w, dtype=torch.long, device=dev),
-            # Warm-up and capture write their keys into the last w slots, which no forward that
-            # fits max_length reads before overwriting them.
-            "past": torch.tensor(self.max_length - w, device=dev),
+            # Warm-up and capture write their keys into the span's last w slots; what a generation
+            # has there is saved and put back, so a capture at any time changes nothing.
+            "past": torch.tensor(lo, device=dev),
             "depth": torch.arange(w, device=dev),
             "tree": torch.ones(w, w, dtype=torch.bool, device=dev).tril(),
         }
-        graph, out = capture_graph(self._run, buf, dev)
+        saved = self.storage[..., lo:span, :].clone()
+        try:
+            graph, out = capture_graph(lambda **kw: self._run(**kw, span=span), buf, dev)
+        finally:
+            self.storage[..., lo:span, :].copy_(saved)
         return graph, buf, out
 
     @torch.inference_mode()
@@ -198,6 +242,16 @@ class StaticTarget:
         """Copy the keys/values at slots ``src`` [n] to ``dst_start .. dst_start + n - 1``, every layer."""
         dst = torch.arange(dst_start, dst_start + src.shape[0], device=self.device)
         self.storage.index_copy_(3, dst, self.storage.index_select(3, src.to(self.device)))
+
+
+def attention_spans(max_length: int, min_span: int = MIN_SPAN) -> list[int]:
+    """``min_span``, doubling, below ``max_length``, then ``max_length``: the spans a forward attends over."""
+    spans = []
+    span = min_span
+    while span < max_length:
+        spans.append(span)
+        span *= 2
+    return spans + [max_length]
 
 
 class StaticRunner:
