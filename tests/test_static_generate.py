@@ -1,6 +1,7 @@
 """StaticBatchGenerator (batched decoding on a preallocated KV cache, the step as a CUDA graph):
 greedy output equal to transformers' ``generate`` with left padding and EOS, storage reuse across
-batch shapes, sampling that follows the softmax / top-p, graph safety of the step (no host sync),
+batch shapes, the split of a call's prompts by length (plan_groups) and the shapes kept across
+calls, sampling that follows the softmax / top-p, graph safety of the step (no host sync),
 and the engine's use of it. The graph capture needs CUDA (run by benchmarks on the H200); off CUDA
 the same step function runs eagerly."""
 
@@ -12,7 +13,17 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from eagle3_ray.engines.static_generate import StaticBatchGenerator, unsupported_reason
+import itertools
+import random
+
+from eagle3_ray.engines.static_generate import (
+    GRAIN,
+    KEEP_SHAPES,
+    STEP_OVERHEAD_SLOTS,
+    StaticBatchGenerator,
+    plan_groups,
+    unsupported_reason,
+)
 from eagle3_ray.errors import EngineError
 
 from test_spec_static import NoHostSync
@@ -137,3 +148,61 @@ def test_decode_attention_reads_grouped_heads_without_repeating_them():
     ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask,
                                                            scale=0.3).transpose(1, 2)
     assert out.shape == (4, 1, 6, 8) and torch.allclose(out, ref, atol=1e-6)
+
+
+def _plan_cost(groups, lengths, max_new, overhead):
+    storage = lambda n: -(-(n + max_new) // GRAIN) * GRAIN  # noqa: E731
+    return sum(len(g) * max(storage(lengths[i]) for i in g) + overhead for g in groups)
+
+
+def test_plan_groups_keeps_one_long_prompt_from_widening_every_row():
+    # The product's case: 512 prompts of ~100 tokens and one of 11,000 (SmolLM2 prompt sets have
+    # such tails). One group would attend over an 11,264-slot storage for all 512 rows each step.
+    lengths = [90 + i % 40 for i in range(511)] + [11_000]
+    groups = plan_groups(lengths, 256)
+    assert groups == [[511], sorted(range(511), key=lambda i: -lengths[i])]
+    # Prompts of similar lengths stay one batch (a split would only add steps' fixed cost).
+    assert len(plan_groups([60, 300, 120, 200], 256)) == 1
+    assert plan_groups([], 8) == []
+
+
+def test_plan_groups_is_the_cheapest_split_into_runs():
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = [rng.choice([5, 40, 300, 700, 2000, 5000]) + rng.randrange(30) for _ in range(rng.randrange(1, 8))]
+        overhead = rng.choice([0, 512, 4096, STEP_OVERHEAD_SLOTS])
+        groups = plan_groups(lengths, 64, overhead)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        assert [i for g in groups for i in g] == order  # longest first, every prompt once
+        best = min(
+            _plan_cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], lengths, 64, overhead)
+            for k in range(len(order))
+            for cuts in itertools.combinations(range(1, len(order)), k)
+        )
+        assert _plan_cost(groups, lengths, 64, overhead) == best
+
+
+def test_split_groups_and_kept_shapes_answer_as_generate(tiny):
+    vocab = tiny.config.vocab_size
+    prompts = _prompts([3, 300, 9, 12], vocab, seed=2)
+    ref = _hf_greedy(tiny, prompts, 6, eos=[2], pad=2)
+    # No fixed step cost: every storage length is its own group (the 300-token prompt alone).
+    gen = StaticBatchGenerator(tiny, [2], pad_id=2, step_overhead_slots=0)
+    assert gen._groups([len(p) for p in prompts], 6) == [[1], [3, 2, 0]]
+    assert gen.generate(prompts, 6) == ref
+    assert gen.builds == 2
+    # Alternating calls (the two turns of multi-turn batches) reuse their kept states.
+    short = prompts[2:]
+    for _ in range(3):
+        assert gen.generate(short, 6) == [ref[2], ref[3]]
+        assert gen.generate(prompts, 6) == ref
+    assert gen.builds == 3  # + the 2-row shape, built once
+    # Beyond KEEP_SHAPES the least recently used shape goes.
+    for rows in range(1, KEEP_SHAPES + 2):
+        gen.generate(prompts[:1] * rows, 6)
+    assert len(gen._batches) == KEEP_SHAPES and gen._batch.key[0] == KEEP_SHAPES + 1
+    # A KV budget that holds one shape at a time: the old storage is freed before the new one.
+    one = StaticBatchGenerator(tiny, [2], pad_id=2, kv_budget_bytes=gen.kv_bytes(4, 12 + 6))
+    one.generate(short, 6)
+    one.generate(prompts[2:] * 2, 6)
+    assert len(one._batches) == 1 and one._batch.key[0] == 4

@@ -6,9 +6,13 @@ concatenation; for a small target on a GPU that is launch-bound (benchmarks/resu
 ``batch_generate_*``). ``StaticBatchGenerator`` does the same greedy or sampled
 decoding with
 
-- one KV storage ``[L, 2, B, kv_heads, S, head_dim]`` for the batch, prompts left-padded so every
+- one KV storage ``[L, 2, B, kv_heads, S, head_dim]`` per group of prompts, left-padded so every
   row writes its next key at the same slot (``S`` rounded up to ``GRAIN``, so batches of similar
-  length share one storage and one graph);
+  length share one storage and one graph). Every decode step attends over all ``S`` slots of every
+  row, so one long prompt in a batch of short ones would make each row's step as dear as the
+  long one's: a call's prompts are split by length into groups where that saves decode work
+  (``plan_groups``), and the storages and graphs of the last few shapes are kept for the next calls
+  (a multi-turn batch alternates between its turns' shapes);
 - a prompt forward per row chunk (eager; only the last position's logits are computed);
 - a decode step whose every input lives in device buffers it updates itself (token, slot, output
   column, finished rows): captured once per shape as a CUDA graph and replayed with no host work
@@ -23,6 +27,7 @@ step function runs eagerly).
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +39,13 @@ from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots
 from eagle3_ray.errors import EngineError
 
 GRAIN = 256  # storage lengths are rounded up to a multiple of this
+# What one decode step costs besides attention, in KV slots of one row (the unit of the attention's
+# cost: one row attending over one slot): launches, weights, logits and sampling of a step. On the
+# H200 with SmolLM2-135M a step cost about as much as attention over ~200k row-slots
+# (benchmarks/results/batch_generate_smollm2_h200.json: 64 vs 512 rows at S=768); a lower value
+# splits more eagerly. It only decides where a call's prompts are split (plan_groups).
+STEP_OVERHEAD_SLOTS = 1 << 17
+KEEP_SHAPES = 4  # batch shapes (storage + graph) kept across calls
 PREFILL_TOKENS = 32768  # padded prompt tokens per prompt forward (bounds its activations)
 DECODE_ATTENTION = "eagle3_decode_sdpa"  # registered with transformers' AttentionInterface below
 
@@ -106,6 +118,7 @@ class StaticBatchGenerator:
     ``cuda_graphs``: capture the decode step (CUDA only; elsewhere it runs eagerly).
     ``kv_budget_bytes``: KV storage one batch may take; prompts are grouped (longest first) to fit.
     Default: 60% of the device's free plus cached memory on CUDA, unbounded elsewhere.
+    ``step_overhead_slots``: a decode step's fixed cost in row-slots of attention (``plan_groups``).
     """
 
     def __init__(
@@ -116,6 +129,7 @@ class StaticBatchGenerator:
         cuda_graphs: bool = True,
         sync_every: int = 16,
         kv_budget_bytes: int | None = None,
+        step_overhead_slots: int = STEP_OVERHEAD_SLOTS,
     ):
         reason = unsupported_reason(model)
         if reason:
@@ -130,12 +144,14 @@ class StaticBatchGenerator:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.sync_every = max(1, sync_every)
         self.kv_budget_bytes = kv_budget_bytes  # None: 60% of what the device can spare (CUDA), else unbounded
+        self.step_overhead_slots = step_overhead_slots
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.pad_id = pad_id
         self._cache_kwarg, self._takes_cache_position = cache_api(model)
         self._slots = Slots()
         _register_decode_attention()
-        self._batch: _Batch | None = None
+        self._batches: OrderedDict[tuple, _Batch] = OrderedDict()  # kept shapes, least recently used first
+        self.builds = 0  # batch states (storage + buffers) built so far
         self.captures = 0  # graphs captured so far (a new batch shape or sampling mode captures one)
 
     def kv_bytes(self, batch: int, length: int) -> int:
@@ -164,28 +180,38 @@ class StaticBatchGenerator:
         return out
 
     def _groups(self, lengths: list[int], max_new: int) -> list[list[int]]:
-        """Prompt indices, longest first, in groups whose KV storage fits the device's free memory
-        (one very long prompt gets its own group instead of widening every row's storage)."""
-        budget = float("inf") if self.kv_budget_bytes is None else self.kv_budget_bytes
-        if self.kv_budget_bytes is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            mine = self._batch.storage.numel() * self.dtype.itemsize if self._batch is not None else 0
-            budget = 0.6 * (free + cached + mine)
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        """Prompt indices, longest first, in groups of similar length (``plan_groups``), each cut
+        further where its KV storage would not fit the device's free memory."""
+        budget = self._kv_budget()
         groups: list[list[int]] = []
-        for i in order:
-            if groups and (len(groups[-1]) + 1) * self.kv_bytes(1, lengths[groups[-1][0]] + max_new) <= budget:
-                groups[-1].append(i)
-            elif self.kv_bytes(1, lengths[i] + max_new) > budget:
-                raise EngineError(
-                    f"a prompt of {lengths[i]} tokens + max_new_tokens={max_new} needs a "
-                    f"{self.kv_bytes(1, lengths[i] + max_new) / 2**30:.1f} GiB KV cache, more than the "
-                    f"{budget / 2**30:.1f} GiB this device can spare: shorten the prompt or max_new_tokens"
-                )
-            else:
-                groups.append([i])
+        for planned in plan_groups(lengths, max_new, self.step_overhead_slots):
+            start = len(groups)
+            for i in planned:
+                if len(groups) > start and (len(groups[-1]) + 1) * self.kv_bytes(1, lengths[groups[-1][0]] + max_new) <= budget:
+                    groups[-1].append(i)
+                elif self.kv_bytes(1, lengths[i] + max_new) > budget:
+                    raise EngineError(
+                        f"a prompt of {lengths[i]} tokens + max_new_tokens={max_new} needs a "
+                        f"{self.kv_bytes(1, lengths[i] + max_new) / 2**30:.1f} GiB KV cache, more than the "
+                        f"{budget / 2**30:.1f} GiB this device can spare: shorten the prompt or max_new_tokens"
+                    )
+                else:
+                    groups.append([i])
         return groups
+
+    def _kv_budget(self) -> float:
+        """Bytes of KV storage one group may take: ``kv_budget_bytes``, else on CUDA 60% of the free
+        and cached memory plus what the kept storages hold (they are freed for a shape that needs it)."""
+        if self.kv_budget_bytes is not None:
+            return self.kv_budget_bytes
+        if self.device.type != "cuda":
+            return float("inf")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return 0.6 * (free + cached + self._kept_bytes())
+
+    def _kept_bytes(self) -> int:
+        return sum(b.storage.numel() * self.dtype.itemsize for b in self._batches.values())
 
     def _generate(self, prompts, max_new_tokens: int, temperature: float, top_p: float) -> list[list[int]]:
         width = max(len(p) for p in prompts)
@@ -218,15 +244,21 @@ class StaticBatchGenerator:
 
     # -- state ----------------------------------------------------------------------------------
     def _buffers(self, rows: int, length: int, max_new: int, temperature: float, top_p: float) -> _Batch:
+        """The state of this batch shape: a kept one (its graph too), else a new one; the least
+        recently used shapes are dropped beyond ``KEEP_SHAPES`` or where the new storage needs room."""
         s = _round_up(length, GRAIN)
         key = (rows, s, _round_up(max_new, GRAIN), temperature, top_p)
-        if self._batch is not None and self._batch.key == key:
-            return self._batch
-        self._batch = None  # free the last shape's storage and graph first
+        if key in self._batches:
+            self._batches.move_to_end(key)
+            return self._batches[key]
+        need = self.kv_bytes(rows, s)
+        budget = self._kv_budget()
+        while self._batches and (len(self._batches) >= KEEP_SHAPES or self._kept_bytes() + need > budget):
+            self._batches.popitem(last=False)  # free older shapes' storage and graph first
         dev = self.device
         storage = torch.zeros(self.layers, 2, rows, self.kv_heads, s, self.head_dim, dtype=self.dtype, device=dev)
         cache = Cache(layers=[SlotLayer(storage[i, 0], storage[i, 1], self._slots) for i in range(self.layers)])
-        self._batch = _Batch(
+        batch = _Batch(
             key=key, storage=storage, cache=cache,
             tok=torch.zeros(rows, dtype=torch.long, device=dev),
             pad=torch.zeros(rows, dtype=torch.long, device=dev),
@@ -235,7 +267,14 @@ class StaticBatchGenerator:
             done=torch.zeros(rows, dtype=torch.bool, device=dev),
             out=torch.zeros(rows, _round_up(max_new, GRAIN), dtype=torch.long, device=dev),
         )
-        return self._batch
+        self._batches[key] = batch
+        self.builds += 1
+        return batch
+
+    @property
+    def _batch(self) -> _Batch | None:
+        """The most recently used shape's state."""
+        return next(reversed(self._batches.values())) if self._batches else None
 
     # -- forwards -------------------------------------------------------------------------------
     def _forward(self, cache: Cache, ids, positions, slots, mask) -> torch.Tensor:
@@ -328,6 +367,40 @@ class StaticBatchGenerator:
             self._step(b, temperature, top_p)
         self.captures += 1
         return graph
+
+
+def plan_groups(lengths: Sequence[int], max_new: int, step_overhead: int = STEP_OVERHEAD_SLOTS) -> list[list[int]]:
+    """Prompt indices, longest first, split into runs that share one KV storage length.
+
+    A run of ``r`` prompts whose longest one needs a storage of ``S`` slots costs about
+    ``max_new * (r * S + step_overhead)``: each decode step attends over all ``S`` slots of every
+    row, plus the step's fixed cost. Returns the split that minimises the sum (exact dynamic
+    programme over the distinct storage lengths; splitting where the length does not change never
+    pays): a few very long prompts get groups of their own instead of widening every row's storage,
+    prompts of similar lengths stay in one batch.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    levels: list[list[int]] = []  # [storage length, start, end) over `order`, longest first
+    for pos, i in enumerate(order):
+        s = _round_up(lengths[i] + max_new, GRAIN)
+        if levels and levels[-1][0] == s:
+            levels[-1][2] = pos + 1
+        else:
+            levels.append([s, pos, pos + 1])
+    k = len(levels)
+    best, cut = [0.0] * (k + 1), [k] * (k + 1)  # best[j]: least cost of levels j.., first run j..cut[j]
+    for j in range(k - 1, -1, -1):
+        s, start = levels[j][0], levels[j][1]
+        best[j] = float("inf")
+        for e in range(j + 1, k + 1):
+            cost = (levels[e - 1][2] - start) * s + step_overhead + best[e]
+            if cost < best[j]:
+                best[j], cut[j] = cost, e
+    groups, j = [], 0
+    while j < k:
+        groups.append(order[levels[j][1] : levels[cut[j] - 1][2]])
+        j = cut[j]
+    return groups
 
 
 def _round_up(n: int, grain: int) -> int:
