@@ -470,8 +470,14 @@ def part_e(a) -> dict:
     actor.static_off_cuda = a.cpu
     ours = actor.run(sets, bench)
     res["ours"] = {"tokens_per_s": ours["baseline"]["tokens_per_s"], "graphed": ours.get("graphed_baseline"),
-                   "static_target": ours.get("static_target")}
+                   "static_target": ours.get("static_target"), "max_length": bench.max_length}
     log(f"ours plain: {res['ours']}")
+    # The same baseline with other StaticTarget capacities (bench.max_length): what capacity costs a decode step.
+    res["ours_by_max_length"] = {}
+    for n in [int(x) for x in a.plain_max_lengths.split(",") if x and int(x) != bench.max_length]:
+        r = actor.run(sets, bench.model_copy(update={"max_length": 256 if a.cpu else n}))
+        res["ours_by_max_length"][n] = {"tokens_per_s": r["baseline"]["tokens_per_s"], "static_target": r.get("static_target")}
+        log(f"ours plain, max_length {n}: {res['ours_by_max_length'][n]}")
     if res.get("sglang") and res["ours"]["tokens_per_s"]:
         res["sglang_plain_vs_graphed_plain"] = res["sglang"]["tokens_per_s"] / res["ours"]["tokens_per_s"]
     return res
@@ -567,6 +573,7 @@ def main() -> None:
     p.add_argument("--kill-batch-tokens", type=int, default=4096, help="part b: extract.batch_tokens")
     p.add_argument("--mt-bench", default=".gq/mt_bench.jsonl", help="part e: MT-bench questions")
     p.add_argument("--mt-prompts", type=int, default=4, help="part e: questions (2 turns each)")
+    p.add_argument("--plain-max-lengths", default="2048,8192", help="part e: other StaticTarget capacities to time")
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.part:
