@@ -5,9 +5,11 @@ simulated tau against the tau the benchmark measured, and the side script's curv
         [--side benchmarks/results/quality_smollm2_67k_train_lr1e-3.json] [--json out.json]
 
 Reads only what the run wrote: ``train/metrics.jsonl`` (every logged step; held-out rows carry
-``val_tau``), ``bench/results.json`` and the trainer's plan line in the run's log ("N samples,
-T tokens -> P packs over E epoch(s) ...; S optimizer steps"), which gives the training tokens per
-optimizer step (T x E / S). Nothing here trains or decodes.
+``val_tau``; every row carries ``train_tokens``, the tokens the optimizer has seen, all workers) and
+``bench/results.json``. Metrics written before the trainer logged ``train_tokens`` (e.g. the committed
+product_smollm2_h200 run) get the tokens from the trainer's plan line in the run's log instead
+("N samples, T tokens -> P packs over E epoch(s) ...; S optimizer steps": T x E / S per optimizer
+step, an estimate). Nothing here trains or decodes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [rows[s] for s in sorted(rows)]
 
 
+def train_tokens(row: dict, per_step: float | None) -> float | None:
+    """Training tokens up to a metrics row: as logged (``train_tokens``), else step x the plan's
+    tokens per step (older metrics), else None."""
+    if row.get("train_tokens") is not None:
+        return row["train_tokens"]
+    return row["step"] * per_step if per_step else None
+
+
 def side_curve(path: Path) -> list[tuple[float, float]]:
     """(training tokens, held-out tau) of the side script's run."""
     d = json.loads(path.read_text(encoding="utf-8"))
@@ -63,20 +73,21 @@ def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
     return curve[-1][1]
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, type=Path, help="the run's --out directory")
     ap.add_argument("--log", type=Path, nargs="*", default=[], help="the run's console logs (for the plan line)")
     ap.add_argument("--side", type=Path, help="the side script's training JSON, compared at equal tokens")
     ap.add_argument("--json", type=Path, help="write the figures here too")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     metrics = read_metrics(next(a.run.rglob("metrics.jsonl")))
-    per_step = tokens_per_step(a.log)
+    logged = bool(metrics) and all("train_tokens" in r for r in metrics)
+    per_step = None if logged else tokens_per_step(a.log)
     side = side_curve(a.side) if a.side else []
     curve = []
     for r in metrics:
-        tokens = r["step"] * per_step if per_step else None
+        tokens = train_tokens(r, per_step)
         point = {"step": r["step"], "train_tokens": tokens, "tau": r.get("tau"), "val_tau": r.get("val_tau")}
         if side and tokens is not None and r.get("val_tau") is not None:
             point["side_val_tau"] = interpolate(side, tokens)
@@ -84,10 +95,12 @@ def main() -> int:
     results_file = a.run / "bench" / "results.json"
     bench = json.loads(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
     last_val = next((p["val_tau"] for p in reversed(curve) if p["val_tau"] is not None), None)
+    final_tokens = curve[-1]["train_tokens"] if curve else None
     out = {
-        "tokens_per_step": per_step,
+        "tokens_per_step": (final_tokens / max(metrics[-1]["step"], 1) if logged else per_step),
+        "tokens_from": "metrics" if logged else ("plan line" if per_step else None),
         "steps": metrics[-1]["step"] if metrics else 0,
-        "train_tokens": metrics[-1]["step"] * per_step if metrics and per_step else None,
+        "train_tokens": final_tokens,
         "held_out_tau_final": last_val,
         "measured_tau": (bench.get("tau") or {}),
         "curve": curve,
@@ -100,7 +113,8 @@ def main() -> int:
         side_tau = p.get("side_val_tau")
         print(f"{p['step']:>6} {tok:>12} {p['tau'] or 0:>9.2f} {p['val_tau'] or float('nan'):>12.2f} "
               f"{side_tau if side_tau is not None else float('nan'):>11.2f}")
-    print(f"held-out simulated tau (final) {last_val}; measured by bench: {out['measured_tau']}")
+    print(f"training tokens from {out['tokens_from']}; held-out simulated tau (final) {last_val}; "
+          f"measured by bench: {out['measured_tau']}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -37,13 +37,13 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
         _category_section(results),
         _acceptance_section(results),
         _untrained_section(results),
-        _training_section(training),
+        _training_section(training, results),
     ]
     _plot_throughput(results, out / THROUGHPUT_PLOT)
     _plot_tau_by_category(results, out / TAU_PLOT)
     _plot_accept_by_position(results, out / ACCEPT_PLOT)
     if training:
-        _plot_training(training, out / TRAINING_PLOT)
+        _plot_training(training, out / TRAINING_PLOT, results)
     path = out / REPORT_NAME
     write_text(path, "\n\n".join(s for s in sections if s) + "\n")
     return path
@@ -266,14 +266,40 @@ def _untrained_section(results: dict[str, Any]) -> str:
     return f"## Trained vs untrained drafter\n\n{table}\n\nTraining changed tau by {gain}."
 
 
-def _training_section(rows: list[dict[str, Any]]) -> str:
+CURVE_ROWS = 12  # rows of the tau-against-training-tokens table at most (the last row always among them)
+
+
+def _tokens(row: dict[str, Any]) -> int | None:
+    """Training tokens seen by the optimizer up to this row (all workers); None in metrics written
+    before the count was logged."""
+    v = row.get("train_tokens")
+    return None if v is None else int(v)
+
+
+def _curve_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the tau curve table: the held-out evaluations (every logged row when there are
+    none), thinned evenly to `CURVE_ROWS`, the last row always included."""
+    picked = [r for r in rows if r.get("val_tau") is not None] or rows
+    if picked[-1] is not rows[-1]:
+        picked = [*picked, rows[-1]]
+    if len(picked) > CURVE_ROWS:
+        n = len(picked) - 1
+        picked = [picked[round(i * n / (CURVE_ROWS - 1))] for i in range(CURVE_ROWS)]
+    return picked
+
+
+def _last_val(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in reversed(rows) if r.get("val_tau") is not None), None)
+
+
+def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None = None) -> str:
     if not rows:
         return ""
     last = rows[-1]
     accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k.split("_")[1]))
     table = _table(
-        ["step", "loss", "simulated tau", *accs, "lr", "tokens/s"],
-        [[str(last["step"]), _num(last.get("loss"), "{:.3f}"), _num(last.get("tau")),
+        ["step", "training tokens", "loss", "simulated tau", *accs, "lr", "tokens/s"],
+        [[str(last["step"]), _num(_tokens(last), "{:,}"), _num(last.get("loss"), "{:.3f}"), _num(last.get("tau")),
           *[_num(last[a], "{:.2f}") for a in accs], _num(last.get("lr"), "{:.2e}"),
           _num(last.get("tokens_per_s"), "{:,.0f}")]],
     )
@@ -281,7 +307,38 @@ def _training_section(rows: list[dict[str, Any]]) -> str:
         f"Final logged step of {len(rows)}. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
         "accuracies; compare it with the measured chain/tree tau above."
     )
-    return f"## Training\n\n{intro}\n\n{table}\n\n![training curves]({TRAINING_PLOT})"
+    curve = _table(
+        ["step", "training tokens", "train simulated tau", "held-out simulated tau"],
+        [[str(r["step"]), _num(_tokens(r), "{:,}"), _num(r.get("tau")), _num(r.get("val_tau"))]
+         for r in _curve_rows(rows)],
+    )
+    curve_intro = (
+        "Simulated tau against the training tokens the optimizer has seen (sample tokens of the packs "
+        "trained on, all workers); held-out: the samples `train.val_share` keeps out of training."
+    )
+    parts = [f"## Training\n\n{intro}\n\n{table}", f"### Tau against training tokens\n\n{curve_intro}\n\n{curve}"]
+    measured = _measured_section(rows, results or {})
+    if measured:
+        parts.append(measured)
+    parts.append(f"![training curves]({TRAINING_PLOT})")
+    return "\n\n".join(parts)
+
+
+def _measured_section(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
+    """The bench's measured tau per mode beside the final simulated tau (held-out and train)."""
+    taus = {k: v for k, v in (results.get("tau") or {}).items() if v is not None}
+    if not taus:
+        return ""
+    val, last = _last_val(rows), rows[-1]
+    head = ["mode", "measured tau", "held-out simulated tau (final)", "train simulated tau (final)"]
+    body = [[_label(results, k), _num(v), _num(val and val.get("val_tau")), _num(last.get("tau"))]
+            for k, v in taus.items()]
+    where = (f"held-out at step {val['step']}" + (f", {_tokens(val):,} training tokens" if _tokens(val) else "")
+             if val else "no held-out evaluation in this run (`train.val_share` 0)")
+    intro = ("The tau the benchmark measured per mode beside the drafter's simulated tau at the end of "
+             f"training ({where}). The simulation assumes a chain of ttt_steps drafts; a measured chain "
+             "of fewer drafts, or a tree, differs from it by construction.")
+    return f"### Measured against simulated tau\n\n{intro}\n\n{_table(head, body)}"
 
 
 # --- plots ------------------------------------------------------------------------------------------
@@ -348,14 +405,26 @@ def _plot_accept_by_position(results: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
-def _plot_training(rows: list[dict[str, Any]], path: Path) -> None:
-    steps = [r["step"] for r in rows]
-    fig = Figure(figsize=(10, 3.2))
-    for i, (key, title) in enumerate((("loss", "loss"), ("tau", "simulated tau"), ("acc_0", "acc_0 (first draft)"))):
+def _plot_training(rows: list[dict[str, Any]], path: Path, results: dict[str, Any] | None = None) -> None:
+    """Loss, simulated tau (train and held-out, with the bench's measured tau per mode as lines) and
+    acc_0 against training tokens; against steps for metrics without the token count."""
+    by_tokens = all(_tokens(r) is not None for r in rows)
+    xs = [_tokens(r) if by_tokens else r["step"] for r in rows]
+    xlabel = "training tokens" if by_tokens else "step"
+    fig = Figure(figsize=(11, 3.4))
+    for i, (keys, title) in enumerate(((("loss", "val_loss"), "loss"), (("tau", "val_tau"), "simulated tau"),
+                                       (("acc_0", "val_acc_0"), "acc_0 (first draft)"))):
         ax = fig.add_subplot(1, 3, i + 1)
-        points = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
-        if points:
-            ax.plot(*zip(*points), color=f"C{i}")
-        ax.set_xlabel("step")
+        for key, style, label in zip(keys, ("-", "o--"), ("train", "held-out")):
+            points = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), style, color=f"C{i}", label=label, markersize=4)
+        if keys[0] == "tau":
+            for j, (mode, tau) in enumerate((results or {}).get("tau", {}).items()):
+                if tau is not None:
+                    ax.axhline(tau, color=f"C{3 + j}", linewidth=0.9, linestyle=":", label=f"measured {mode}")
+        ax.set_xlabel(xlabel)
         ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
     _save(fig, path)
