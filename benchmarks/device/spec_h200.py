@@ -13,6 +13,14 @@ killed at its limit keeps what it measured) and the graphed run's report to ``<o
 Without ``--drafter`` a seeded random drafter is exported on the fly (tau ~ 1: it measures the
 launch overhead of drafting, not a speedup). ``--tiny``: random tiny Llama on the CPU in fp32,
 the StaticTarget/StaticProposer path forced on (it runs eagerly there), a 2-prompt file.
+
+``--verify-sweep`` (no drafter, no prompts; ~30 s on the H200) times only the target's verify
+forward (the StaticTarget graph replay + host sync, as a cycle's ``verify`` part) after a
+``--sweep-context``-token context, per width (1, num_steps + 1, total_tokens + 1), for storage
+capacities ``--max-length`` and the bench's default ``bench.max_length``, each attending over the
+whole storage (``length_spans=False``, the old behaviour) and over the span holding the context:
+
+    python3 benchmarks/device/spec_h200.py --verify-sweep --target /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 """
 
 from __future__ import annotations
@@ -70,6 +78,62 @@ def parts_table(results: dict) -> dict:
     return {k: v.get("ms_per_cycle") for k, v in kinds.items() if v}
 
 
+def verify_sweep(a, target_cfg, out: Path) -> int:
+    """Verify ms per forward by capacity and attention span (module doc); writes verify_sweep.json."""
+    import torch
+
+    from eagle3_ray.config import BenchConfig
+    from eagle3_ray.engines.base import default_aux_layers
+    from eagle3_ray.engines.targets import load_target
+    from eagle3_ray.spec import StaticTarget
+
+    target = load_target(target_cfg)
+    model, dev = target.model, target.device
+    aux = default_aux_layers(model.config.get_text_config().num_hidden_layers)
+    widths = sorted({1, a.num_steps + 1, a.total_tokens + 1})
+    capacities = sorted({a.max_length, BenchConfig().max_length})
+    reps = a.sweep_reps if dev.type == "cuda" else min(a.sweep_reps, 3)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.config.get_text_config().vocab_size, (a.sweep_context,), generator=g).to(dev)
+    rows = []
+    for capacity in capacities:
+        for spans in (False, True):
+            static = StaticTarget(model, aux, max_length=capacity, draft_graphs=False, length_spans=spans)
+            runner = static.runner(aux)
+            runner.forward(prompt)  # the prefill: the context the verifies attend to
+            row = {"max_length": capacity, "length_spans": spans, "span": static.span(a.sweep_context + max(widths)),
+                   "cuda_graphs": static.cuda_graphs, "ms": {}}
+            for w in widths:
+                ids = prompt[:w].clone()
+                depth = torch.arange(w, device=dev)
+                tree = torch.ones(w, w, dtype=torch.bool, device=dev).tril()
+                static.forward(ids, a.sweep_context, depth, tree)  # capture + first replay, untimed
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    out_ = static.forward(ids, a.sweep_context, depth, tree)
+                    out_.logits.argmax(-1).tolist()  # the host sync a verify ends with
+                    times.append(time.perf_counter() - t)
+                times.sort()
+                row["ms"][str(w)] = 1000 * times[len(times) // 2]  # median
+            rows.append(row)
+            log(f"max_length {capacity:5d} spans {str(spans):5s} (span {row['span']:5d}): verify ms by width " +
+                "  ".join(f"{w}: {ms:.2f}" for w, ms in row["ms"].items()))
+            del static, runner
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "target": a.target, "dtype": str(target.dtype), "context": a.sweep_context, "reps": reps,
+              "widths": widths, "rows": rows}
+    write_json(out / "verify_sweep.json", result)
+    print("verify ms per forward (median), context", a.sweep_context)
+    print(f"{'max_length':>10} {'spans':>6} {'span':>6} " + " ".join(f"{'w=' + str(w):>8}" for w in widths))
+    for r in rows:
+        print(f"{r['max_length']:>10} {str(r['length_spans']):>6} {r['span']:>6} " +
+              " ".join(f"{r['ms'][str(w)]:8.2f}" for w in widths))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="HF model dir (or any target.model spec); --tiny: a random tiny Llama")
@@ -89,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-plain-tps", type=float, default=None, help="SGLang plain tokens/s on these turns")
     ap.add_argument("--no-untrained", action="store_true", help="skip the untrained-drafter chain")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: random tiny target, fp32, 2 prompts")
+    ap.add_argument("--verify-sweep", action="store_true", help="only time verify by capacity and span (module doc)")
+    ap.add_argument("--sweep-context", type=int, default=400, help="--verify-sweep: committed tokens before a verify")
+    ap.add_argument("--sweep-reps", type=int, default=200, help="--verify-sweep: timed forwards per width")
     a = ap.parse_args(argv)
 
     import torch
@@ -106,6 +173,11 @@ def main(argv=None) -> int:
         a.mtbench = a.mtbench or str(tiny_prompts(work))
         a.max_new_tokens, a.topk, a.depth, a.total_tokens = min(a.max_new_tokens, 12), 2, 3, 6
         a.max_length = min(a.max_length, 256)
+        a.sweep_context = min(a.sweep_context, 100)
+    if a.verify_sweep:
+        if not a.target:
+            ap.error("--verify-sweep needs --target (or --tiny)")
+        return verify_sweep(a, TargetConfig(model=a.target, device=a.device, dtype=a.dtype), out)
     if not a.target or not a.mtbench:
         ap.error("--target and --mtbench are required (or --tiny)")
     target_cfg = TargetConfig(model=a.target, device=a.device, dtype=a.dtype)
@@ -145,6 +217,7 @@ def main(argv=None) -> int:
         write_json(path, result)
     if actor._static is not None:
         result["target_graph_widths"] = actor._static.captured
+        result["target_graph_spans"] = actor._static.graph_keys  # (width, attention span)
         proposers = [p for _, p in actor._static._proposers.values()]
         result["drafter_graphs"] = [[str(key) for key in p.captured] for p in proposers]
         result["drafter_capture_errors"] = [p.capture_errors for p in proposers]
