@@ -1,13 +1,22 @@
 """Self-distillation on Ray: engine actors write the assistant turns for prompt-only data.
 
 The prompts are split over `extract.num_actors` engine actors; each writes its own resumable part
-file (see data/distill.py) and the driver joins the parts into one conversations.jsonl.
+file (see data/distill.py) and the driver joins the parts into one conversations.jsonl, in the
+order of the input.
+
+Each actor answers its prompts in ``generation_order``: by number of user turns, then by prompt
+length. A batched decoder pads every row of a batch to its longest prompt, and a multi-turn batch
+generates each turn in its own call: batches of similar prompts with the same number of turns keep
+the padding, the calls' shapes (KV storages, CUDA graphs) and the work per row alike. Prompts that
+alone fill ``data.max_length`` are rejected up front: no answer token of theirs could be trained on.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
@@ -28,14 +37,17 @@ class DistillActor:
         self.engine = build_engine(cfg, batch_tokens=batch_tokens, mode="generate")
         self.tokenizer = load_tokenizer(cfg)
 
-    def run(self, samples: list[dict], part_path: str, gen: dict) -> dict:
+    def run(self, samples: list[dict], part_path: str, gen: dict, max_length: int | None = None) -> dict:
+        """Answers ``samples`` into ``part_path`` (resumable); the summary's ``rejected`` lists the
+        prompts too long for ``max_length`` (None: none rejected), which are not answered."""
         from eagle3_ray.data.distill import self_distill
         from eagle3_ray.data.sources import Sample
 
+        ordered, too_long = generation_order([Sample(**s) for s in samples], self.tokenizer, max_length)
         summary = self_distill(
             self.engine,
             self.tokenizer,
-            [Sample(**s) for s in samples],
+            ordered,
             part_path,
             max_new_tokens=gen["max_new_tokens"],
             temperature=gen["temperature"],
@@ -43,10 +55,58 @@ class DistillActor:
             batch_size=gen["batch_size"],
             seed=gen["seed"],
         )
-        return dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary)
+        out = dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary)
+        return {**out, "rejected": too_long}
 
     def close(self) -> None:
         self.engine.close()
+
+
+def generation_order(samples: list, tokenizer: Any, max_length: int | None = None) -> tuple[list, list[dict]]:
+    """(samples in the order to answer them, reject records of the prompts too long to answer).
+
+    Order: samples that need no generation first, then prompt-only ones by number of user turns and
+    by the token length of their first generation prompt (stable, so the order is the same on a
+    rerun and resume skips what was written). A prompt-only sample whose first generation prompt has
+    ``max_length`` tokens or more is rejected: every token of its answer would lie past
+    ``data.max_length``, where preparation cuts or rejects the conversation.
+    """
+    from eagle3_ray.data.chat import render_generation_prompt
+
+    keyed, rejects = [], []
+    for pos, s in enumerate(samples):
+        if not s.needs_generation:
+            keyed.append(((0, 0, pos), s))
+            continue
+        msgs = s.messages
+        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs) - 1)
+        n = len(render_generation_prompt(tokenizer, msgs[: first_user + 1]))
+        if max_length is not None and n >= max_length:
+            rejects.append({"sample_id": s.sample_id, "source": s.source, "stage": "generate",
+                            "reason": f"the prompt has {n} tokens, data.max_length={max_length} leaves no room "
+                                      "for an answer; raise data.max_length"})
+            continue
+        turns = sum(m["role"] == "user" for m in msgs)
+        keyed.append(((turns, n, pos), s))
+    keyed.sort(key=lambda kv: kv[0])
+    return [s for _, s in keyed], rejects
+
+
+def join_in_order(parts: list[Path], ids: list[str], dst) -> int:
+    """Writes the records of the part files to ``dst`` (binary) in the order of ``ids`` (records of
+    other ids last, in file order); returns the number of records."""
+    rank: dict[str, int] = {}
+    for i, sid in enumerate(ids):
+        rank.setdefault(str(sid), i)
+    lines = []
+    for p in parts:
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                lines.append((rank.get(str(json.loads(line).get("id")), len(ids)), len(lines), line))
+    lines.sort()
+    for _, _, line in lines:
+        dst.write((line + "\n").encode("utf-8"))
+    return len(lines)
 
 
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
@@ -80,26 +140,21 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     gen = cfg.generate.model_dump()
     say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected")
     results = ray.get(
-        [a.run.remote(samples[i::n], str(parts[i]), gen) for i, a in enumerate(actors)]
+        [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length) for i, a in enumerate(actors)]
     )
     for a in actors:
         ray.kill(a)
+    too_long = [r for res in results for r in res.pop("rejected", [])]
+    if too_long:
+        append_rejects(out / REJECTS_FILE, too_long)
+        say(f"[generate] {len(too_long)} prompts rejected: too long for data.max_length={cfg.data.max_length}")
 
     joined = out / CONVERSATIONS_FILE
-
-    def join(dst) -> int:
-        count = 0
-        for p in parts:
-            for line in p.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    dst.write((line + "\n").encode("utf-8"))
-                    count += 1
-        return count
-
-    count = write_stream(joined, join)
+    ids = [s["sample_id"] for s in samples]
+    count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
     write_json_atomic(
         out / "summary.json",
-        {"conversations": count, "rejected": len(rejects), "parts": results,
+        {"conversations": count, "rejected": len(rejects) + len(too_long), "parts": results,
          "seconds": round(time.monotonic() - t0, 2), "output": str(joined)},
     )
     say(f"[generate] wrote {count} conversations -> {joined}")

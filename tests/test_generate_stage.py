@@ -1,0 +1,124 @@
+"""The generate stage: the order its actors answer prompts in (by turns, then prompt length, so a
+batched decoder gets batches of alike prompts), the prompts it rejects as too long for
+data.max_length, and the driver's join back into input order. The actor runs here as a plain
+object on the real HF engine (seeded random tiny Llama, SmolLM2 tokenizer); one test runs the stage
+through Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_ray.config import TargetConfig
+from eagle3_ray.data.chat import render_generation_prompt
+from eagle3_ray.data.sources import Sample
+from eagle3_ray.extract.generate_stage import DistillActor, generation_order, join_in_order
+
+TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
+GEN = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "batch_size": 2, "seed": 0}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _samples() -> list[Sample]:
+    """Input order deliberately not by length. "mid" is shorter than "short" as rendered: the template
+    adds its default system prompt where a sample has none."""
+    return [
+        Sample("long", [_user("Tell me everything about the history of " + "the old city walls, " * 12)], "t"),
+        Sample("short", [_user("Hi?")], "t"),
+        Sample("two-turns", [_user("Name a color."), _user("Another one?")], "t"),
+        Sample("answered", [_user("Hi"), {"role": "assistant", "content": "Hello!"}], "t"),
+        Sample("mid", [{"role": "system", "content": "Be brief."}, _user("What is a prime number?")], "t"),
+        Sample("huge", [_user("word " * 600)], "t"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def actor():
+    a = DistillActor(TARGET.model_dump(), 256)
+    yield a
+    a.close()
+
+
+class Recording:
+    """Passes generate calls to the real engine, remembering each call's prompts."""
+
+    def __init__(self, inner):
+        self.inner, self.info, self.calls = inner, inner.info, []
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
+        self.calls.append([list(p) for p in prompts])
+        return self.inner.generate(prompts, max_new_tokens, temperature, top_p, seed)
+
+
+def test_order_is_turns_then_prompt_length_and_too_long_prompts_are_rejected(actor):
+    tok = actor.tokenizer
+    samples = _samples()
+    ordered, rejects = generation_order(samples, tok, max_length=256)
+    assert [s.sample_id for s in ordered] == ["answered", "mid", "short", "long", "two-turns"]
+    assert [(r["sample_id"], r["stage"]) for r in rejects] == [("huge", "generate")]
+    n = len(render_generation_prompt(tok, samples[-1].messages))
+    assert f"the prompt has {n} tokens, data.max_length=256" in rejects[0]["reason"]
+    # Stable and the same on a rerun (resume relies on it); no limit rejects nothing.
+    assert [s.sample_id for s in generation_order(samples[::-1], tok, 256)[0]] == [
+        "answered", "mid", "short", "long", "two-turns"]
+    everything, none = generation_order(samples, tok)
+    assert none == [] and everything[-2].sample_id == "huge"
+
+
+def test_actor_feeds_the_engine_batches_of_alike_prompts(actor, tmp_path):
+    tok = actor.tokenizer
+    inner = actor.engine
+    actor.engine = rec = Recording(inner)
+    try:
+        part = tmp_path / "part.jsonl"
+        summary = actor.run([vars(s) for s in _samples()], str(part), GEN, max_length=256)
+    finally:
+        actor.engine = inner
+    # Batches of 2 in length order: (answered, mid) -> mid alone is asked, then (short, long),
+    # then the two-turn sample's two turns; the input order would have mixed turns and lengths.
+    lengths = [[len(p) for p in call] for call in rec.calls]
+    first_turn = {s.sample_id: len(render_generation_prompt(tok, s.messages[:2] if s.messages[0]["role"] == "system"
+                                                            else s.messages[:1])) for s in _samples()}
+    assert lengths[:3] == [[first_turn["mid"]], [first_turn["short"], first_turn["long"]], [first_turn["two-turns"]]]
+    assert len(rec.calls) == 4  # + the second turn of the two-turn sample
+    assert [r["sample_id"] for r in summary["rejected"]] == ["huge"]
+    written = [json.loads(line)["id"] for line in part.read_text().splitlines()]
+    assert written == ["answered", "mid", "short", "long", "two-turns"]
+    # The driver's join puts them back in input order.
+    joined = tmp_path / "joined.jsonl"
+    with open(joined, "wb") as f:
+        assert join_in_order([part], [s.sample_id for s in _samples()], f) == 5
+    assert [json.loads(line)["id"] for line in joined.read_text().splitlines()] == [
+        "long", "short", "two-turns", "answered", "mid"]
+
+
+def test_join_orders_across_parts_and_keeps_unknown_records_last(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"id": "x3", "conversations": []}\n{"id": "x1", "conversations": []}\n\n')
+    b.write_text('{"id": "stray", "conversations": []}\n{"id": "x2", "conversations": []}\n')
+    out = tmp_path / "out.jsonl"
+    with open(out, "wb") as f:
+        assert join_in_order([a, b], ["x1", "x2", "x3"], f) == 4
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["x1", "x2", "x3", "stray"]
+
+
+def test_generate_stage_rejects_long_prompts_and_writes_input_order(ray_local, tmp_path):
+    from eagle3_ray.config import load_config
+    from eagle3_ray.extract.generate_stage import run_generate
+
+    data = tmp_path / "prompts.jsonl"
+    records = [{"id": s.sample_id, "conversations": s.messages} for s in _samples()]
+    records[2] = {"id": "two-turns", "turns": [m["content"] for m in _samples()[2].messages]}  # MT-bench style
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config("configs/ci-tiny.yaml", ["data.max_length=256", "generate.max_new_tokens=4"])
+    joined = run_generate(cfg, str(data), tmp_path / "gen")
+    ids = [json.loads(line)["id"] for line in joined.read_text().splitlines()]
+    assert ids == ["long", "short", "two-turns", "answered", "mid"]
+    rejects = [json.loads(line) for line in (tmp_path / "gen" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["sample_id"], r["stage"]) for r in rejects] == [("huge", "generate")]
+    summary = json.loads((tmp_path / "gen" / "summary.json").read_text())
+    assert (summary["conversations"], summary["rejected"]) == (5, 1)
