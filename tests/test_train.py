@@ -28,6 +28,14 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _pack_tokens(cfg, ci_tiny_inputs, tmp_path) -> dict[str, int]:
+    """Sample tokens of every training pack of the plan, by pack key."""
+    from eagle3_ray.train.trainer import plan_training
+
+    packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)[1]
+    return {p.key: p.tokens for p in packs}
+
+
 def test_packing_plan_is_deterministic_and_covers_every_sample_once_per_epoch():
     from eagle3_ray.train.packing import plan
 
@@ -135,6 +143,12 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
     m = _metrics(out)[-1]
     for key in ("loss", "acc_0", "tau", "lr", "tokens_per_s"):
         assert key in m and m[key] == m[key]
+    # Training tokens: the sample tokens of every pack trained on, both ranks, on every row (the
+    # held-out rows too), growing by two packs per step; the checkpoint keeps the count.
+    tokens = _pack_tokens(load_config(CI_CONFIG, TRAIN_4), ci_tiny_inputs, tmp_path / "plan")
+    assert m["train_tokens"] == sum(tokens[k] for k in consumed_packs(ckpt)) == state["train_tokens"]
+    counts = [r["train_tokens"] for r in _metrics(out)]
+    assert all(b - a >= 2 * min(tokens.values()) for a, b in zip([0, *counts], counts))
 
     # Rerun the same command with a larger budget: it resumes at step 4 and continues.
     more = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=6"])
@@ -143,6 +157,9 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert consumed_packs(ckpt2) > consumed_packs(ckpt)
     assert latest_checkpoint(out) == ckpt2
+    # The resumed run counts on from the checkpoint's count.
+    assert _metrics(out)[-1]["train_tokens"] == sum(tokens[k] for k in consumed_packs(ckpt2))
+    assert read_train_state(ckpt2)["train_tokens"] == _metrics(out)[-1]["train_tokens"]
 
     drafter_dir = export_from_training(out, tmp_path / "drafter", engine="sglang")
     drafter = load_drafter(drafter_dir)

@@ -152,6 +152,12 @@ class Trainer:
         self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
         self.global_step = 0  # optimizer steps taken (restored on resume)
         self.consumed: set[str] = set()  # pack keys trained on (the data position)
+        # Training tokens: the sample tokens of every pack the optimizer has trained on, summed over
+        # the ranks (`train_tokens` in metrics.jsonl and train_state.json). `train_tokens` is that sum
+        # as of the last `_sync_tokens` (the same on every rank; None when resumed from a checkpoint
+        # that predates the count); `unsynced_tokens` this rank's tokens since.
+        self.train_tokens: int | None = 0
+        self.unsynced_tokens = 0
         self.engine = self.train_step = self.vote_group = self.val_shard = None
 
     def setup(self) -> Trainer:
@@ -200,12 +206,27 @@ class Trainer:
             ck.check_identity(state.get("identity", {}), self.job.identity, d)
             self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
             consumed = ck.consumed_packs(d)
-        say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed)")
+        self.train_tokens = state.get("train_tokens")  # absent in checkpoints older than the count
+        say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed"
+            + (f", {self.train_tokens:,} training tokens)" if self.train_tokens is not None else ")"))
         return int(state["step"]), consumed
 
     def step(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """One micro-batch through the training step (the optimizer steps once per grad_accum)."""
         return self.train_step(batch)
+
+    def _sync_tokens(self) -> int | None:
+        """Add every rank's tokens since the last sync to `train_tokens` (a host all-reduce on the vote
+        group; every rank calls it at the same steps: logged steps and checkpoints)."""
+        new = self.unsynced_tokens
+        if self.vote_group is not None:
+            t = torch.tensor([new], dtype=torch.int64)
+            torch.distributed.all_reduce(t, group=self.vote_group)
+            new = int(t.item())
+        self.unsynced_tokens = 0
+        if self.train_tokens is not None:
+            self.train_tokens += new
+        return self.train_tokens
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over this rank's share of the held-out packs (none when it has none),
@@ -220,6 +241,7 @@ class Trainer:
         """Report a checkpoint of the current step: DeepSpeed state (every rank), each rank's consumed
         packs, and on rank 0 the full drafter weights and train_state.json."""
         engine, drafter = self.engine, self.engine.module
+        train_tokens = self._sync_tokens()
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
             engine.save_checkpoint(str(d), tag=ck.DS_TAG)
@@ -227,9 +249,11 @@ class Trainer:
             with self._gathered():
                 if self.rank == 0:
                     save_drafter_weights(drafter, d)
-                    ck.write_json(d / ck.TRAIN_STATE, {"step": self.global_step, "metrics": metrics,
-                                                       "identity": self.job.identity, "world_size": self.world_size,
-                                                       "zero_stage": engine.zero_optimization_stage()})
+                    state = {"step": self.global_step, "metrics": metrics, "identity": self.job.identity,
+                             "world_size": self.world_size, "zero_stage": engine.zero_optimization_stage()}
+                    if train_tokens is not None:
+                        state["train_tokens"] = train_tokens
+                    ck.write_json(d / ck.TRAIN_STATE, state)
             ray.train.report({**metrics, "step": self.global_step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     def fit(self) -> None:
@@ -259,6 +283,7 @@ class Trainer:
             self.consumed.add(key)
             out = self.step(batch)
             tokens += pack_tokens
+            self.unsynced_tokens += pack_tokens
             window.append(out.stats)
             if not self.train_step.stepped:
                 continue
@@ -273,6 +298,8 @@ class Trainer:
                 m["tokens_per_s"] *= self.world_size
                 m["lr"] = self.engine.get_lr()[0]
                 m["step"] = step
+                if self._sync_tokens() is not None:
+                    m["train_tokens"] = self.train_tokens  # cumulative, all ranks: the x axis of the tau curve
                 if self.job.val_packs and (step >= next_eval or step == self.max_steps):
                     m.update(self.evaluate())  # every rank: its share of the held-out packs, summed
                     next_eval = (step // t.eval_every + 1) * t.eval_every
