@@ -2,9 +2,10 @@
 
     prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> kept rows,
               sorted by id -> prepared.parquet (written by a Ray task; the driver reads only counts)
-    extract:  ids the store has finished (one ask) -> preflight -> read_parquet -> drop those ids (one
-              vectorised filter) -> map_batches(CaptureWriteUDF, ActorPoolStrategy): capture, validate,
-              commit one atomic shard per batch in the actor
+    extract:  prepared.parquet read once on the driver -> ids the store has finished (one ask) ->
+              preflight -> the rest, one block per engine batch (from_arrow) ->
+              map_batches(CaptureWriteUDF, ActorPoolStrategy): capture, validate, commit one atomic
+              shard per batch in the actor; the summary times the first shard and the steady rate
 
 Every stage writes its resolved config and a summary.json next to its outputs and resumes where it
 stopped: prepare is atomic (all or nothing), extract skips samples already committed to the store.
@@ -13,7 +14,6 @@ stopped: prepare is atomic (all or nothing), extract skips samples already commi
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -199,10 +199,14 @@ def _write_prepared(tokenized, target: Path, rows: int) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _drop_ids(batch: pa.Table, drop: pa.Array) -> pa.Table:
-    """The rows of `batch` whose sample_id is not in `drop` (one vectorised test per batch)."""
-    ids = batch["sample_id"]
-    return batch.filter(pc.invert(pc.is_in(ids, value_set=drop.cast(ids.type))))
+def _engine_blocks(table: pa.Table, todo: np.ndarray, rows: int) -> list[pa.Table]:
+    """The rows of `table` still to do (`todo`, bool [N]), in order, as blocks of `rows` rows: one
+    block per engine batch, so that the actor pool (and each actor's concurrent calls) has one to
+    take as soon as it is up. Built on the driver from the table it has read anyway: no read, filter
+    or repartition tasks (each a fresh Ray worker, in the last case a barrier over the whole input)
+    stand between the engine actors' start and their first batch. Each block owns its buffers."""
+    idx = np.flatnonzero(todo)
+    return [table.take(pa.array(idx[i:i + rows])) for i in range(0, len(idx), rows)]
 
 
 @dataclass
@@ -215,6 +219,45 @@ class ExtractSummary:
     seconds: float
     tokens_per_s: float
     store: str
+    # This run's timeline, from the stage's start (run_extract called); None where it committed nothing.
+    run_tokens: int = 0  # tokens this run committed (tokens counts the whole store)
+    plan_s: float | None = None  # driver planning done, the dataset's execution (and engine actors) starting
+    engine_s: float | None = None  # the slowest engine actor's construction (model build), in the actor
+    first_shard_s: float | None = None  # the first committed shard reported to the driver
+    steady_tokens_per_s: float | None = None  # after the first shard: tokens / (last - first report)
+
+
+@dataclass
+class _Timeline:
+    """When this run's planning ended and its committed batches reached the driver (monotonic seconds)."""
+
+    t0: float
+    plan: float | None = None
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0  # every committed token of this run
+    later_tokens: int = 0  # those after the first report
+    engine_s: float | None = None
+
+    def batch(self, tokens: int, engine_s: float | None) -> None:
+        now = time.monotonic()
+        if engine_s is not None:
+            self.engine_s = max(self.engine_s or 0.0, engine_s)
+        if tokens <= 0:
+            return
+        if self.first is None:
+            self.first = now
+        else:
+            self.later_tokens += tokens
+        self.last, self.tokens = now, self.tokens + tokens
+
+    def fields(self) -> dict:
+        since = (lambda t: None if t is None else round(t - self.t0, 2))
+        span = (self.last - self.first) if self.first is not None else 0.0
+        return {"run_tokens": self.tokens, "plan_s": since(self.plan),
+                "engine_s": None if self.engine_s is None else round(self.engine_s, 2),
+                "first_shard_s": since(self.first),
+                "steady_tokens_per_s": round(self.later_tokens / span, 1) if span > 0 else None}
 
 
 def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> ExtractSummary:
@@ -230,6 +273,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.progress import RateMeter
 
     t0 = time.monotonic()
+    timeline = _Timeline(t0)
     src = prepared_path(prepared)
     if src is None:
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
@@ -243,7 +287,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     if removed:
         say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
 
-    table = pq.read_table(src, columns=["sample_id", "num_tokens"])
+    # Read once, here: planning, the resume filter and the engine batches all come from this table
+    # (5 bytes a token of ids and mask, against 8H bytes a token of features).
+    table = pq.read_table(src)
     all_ids = table.column("sample_id")
     lengths = table.column("num_tokens").to_numpy()
     done = finished(out, all_ids.to_pylist())  # bool [N]: committed or rejected by an earlier run
@@ -253,7 +299,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     if skipped:
         say(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go")
     if not todo.any():
-        return _finish_extract(out, t0, skipped, 0)
+        return _finish_extract(out, timeline, skipped, 0)
     check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
     check_shared_dir(out, "--out (the feature store)")  # engine actors on every node write their shards there
 
@@ -263,13 +309,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     # A StoreError (disk full) or EngineError raised in the engine actor must reach the caller as itself,
     # not as Ray Data's UserCodeException, whose only trace of it is the remote traceback text.
     ray.data.DataContext.get_current().raise_original_map_exception = True
-    ds = ray.data.read_parquet(str(src))
-    if done.any():  # the finished ids travel once, with the filter
-        ds = ds.map_batches(_drop_ids, fn_kwargs=dict(drop=all_ids.filter(pa.array(done)).combine_chunks()),
-                            batch_format="pyarrow", batch_size=None)
-    # One block per engine batch: a single-block input would run every batch in one sequential task
-    # and leave the actor pool (and each actor's concurrent calls) idle.
-    ds = ds.repartition(max(1, math.ceil(int(todo.sum()) / rows_per_batch)))
+    ds = ray.data.from_arrow(_engine_blocks(table, todo, rows_per_batch))
     ds = ds.map_batches(
         CaptureWriteUDF,
         fn_constructor_kwargs=dict(
@@ -289,11 +329,14 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         batch_format="numpy",
     )
     meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
-    last = time.monotonic()
+    timeline.plan = last = time.monotonic()
     actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         _note_actors(actors, batch)
         ok = batch["status"] == "ok"
+        engine_s = batch.get("engine_s")
+        timeline.batch(int(batch["num_tokens"][ok].sum()),
+                       float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None)
         meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
                      nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
                      rejected=int((batch["status"] == "rejected").sum()))
@@ -301,7 +344,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
             say(meter.line())
             last = time.monotonic()
     say(meter.line())
-    return _finish_extract(out, t0, skipped, meter.rejected)
+    return _finish_extract(out, timeline, skipped, meter.rejected)
 
 
 def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
@@ -315,11 +358,11 @@ def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
                 f"{len(set(actors.values()))} node(s) so far")
 
 
-def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> ExtractSummary:
+def _finish_extract(out: Path, timeline: _Timeline, skipped: int, rejected: int) -> ExtractSummary:
     from eagle3_ray.features import open_store
 
     store = open_store(out)
-    seconds = time.monotonic() - t0
+    seconds = time.monotonic() - timeline.t0
     nbytes = sum(s.bytes for s in store.shards) if store.shards else 0
     summary = ExtractSummary(
         samples=len(store),
@@ -330,6 +373,7 @@ def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> Extrac
         seconds=round(seconds, 2),
         tokens_per_s=round(store.num_tokens / seconds, 1) if seconds > 0 else 0.0,
         store=str(out),
+        **timeline.fields(),
     )
     if not store.shards:
         raise StoreError(f"extraction wrote no samples to {out}; see {out / REJECTS_FILE}")
@@ -338,4 +382,10 @@ def _finish_extract(out: Path, t0: float, skipped: int, rejected: int) -> Extrac
         f"[extract] store has {summary.samples} samples, {summary.tokens:,} tokens, "
         f"{summary.bytes_written / 1e9:.3f} GB; this run {summary.seconds}s, {rejected} rejected"
     )
+    if summary.first_shard_s is not None:
+        steady = f"{summary.steady_tokens_per_s:,.0f}" if summary.steady_tokens_per_s else "?"
+        engine = f", engine built in {summary.engine_s}s" if summary.engine_s is not None else ""
+        say(f"[extract] this run: {summary.run_tokens:,} tokens; first shard after {summary.first_shard_s}s "
+            f"(planning {summary.plan_s}s{engine}); {summary.run_tokens / seconds:,.0f} tokens/s end to end, "
+            f"{steady} tokens/s after the first shard")
     return summary

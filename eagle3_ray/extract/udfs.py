@@ -246,7 +246,9 @@ class CaptureWriteUDF:
         from eagle3_ray.engines.factory import build_engine
 
         self.run = run
+        t0 = time.monotonic()
         self.engine = build_engine(target, batch_tokens=batch_tokens)
+        self.engine_s = time.monotonic() - t0  # reported with every row: the stage's startup breakdown
         if self.engine.info.hidden_size != meta.hidden_size:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
         self.root, self.meta = root, meta
@@ -292,12 +294,14 @@ class CaptureWriteUDF:
         return self._rows(batch["sample_id"], lengths, status, reasons)
 
     def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str]):
-        """One small row per sample: its status, and the engine actor and node that handled it."""
+        """One small row per sample: its status, the engine actor and node that handled it, and how
+        long that actor took to build its engine."""
         n = len(status)
         return {"sample_id": sample_ids, "num_tokens": lengths, "status": np.asarray(status, dtype=object),
                 "reason": np.asarray(reasons, dtype=object),
                 "actor": np.asarray([self.actor] * n, dtype=object),
-                "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object)}
+                "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object),
+                "engine_s": np.full(n, self.engine_s, dtype=np.float64)}
 
     def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
         from eagle3_ray import metrics
