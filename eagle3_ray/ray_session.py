@@ -44,14 +44,17 @@ def init_ray(cfg: RayConfig):
     job_env = _job_env_vars()
     env_vars = {k: v for k, v in {**_DEFAULT_ENV, **cfg.env_vars}.items() if k not in job_env}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True,
-                  configure_logging=False)
+    kwargs = dict(log_to_driver=True, configure_logging=False)
     if address:
         node_ip = os.environ.get(NODE_IP_ENV)
         if node_ip:
             kwargs["_node_ip_address"] = node_ip
-        ray.init(address=address, **kwargs)
+        ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None, **kwargs)
     else:
+        # A local cluster's processes inherit this process's environment: the variables go there,
+        # not into a runtime_env. A job runtime_env would keep Ray from handing the stage's first
+        # tasks and actors the workers it prestarts, and put the runtime-env agent on their start.
+        os.environ.update(env_vars)
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, **kwargs)
     ray.data.DataContext.get_current().enable_progress_bars = True
     return ray
