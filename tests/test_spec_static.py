@@ -316,3 +316,23 @@ def test_target_graphs_per_span_and_capture_spans(tiny, monkeypatch):
     assert torch.equal(static.storage, before)  # captures put back the slots they wrote
     assert generate(static, drafter, prompt, 12, mode="chain", num_steps=3, eos_token_id=[])[0] == ref
     assert all(g.replays > 0 for g, key in zip(graphs, static.graph_keys) if key[1] == 256)
+
+
+@pytest.mark.parametrize("use_static", [True, False], ids=["static", "dynamic"])
+def test_top2_teacher_forced_on_the_audited_answer(tiny, use_static):
+    """The audit's top-2 must be the baseline's logits in the baseline's own context: forced on a
+    token list that greedy decoding would not produce, every step's top-2 equals the model's logits
+    on prompt + the forced prefix, and the tokens returned are the argmax at each step."""
+    target, drafter = tiny
+    prompt = _prompts(1, target.config.vocab_size, seed=7)[0]
+    greedy, _ = target_generate(target, prompt, 8, eos_token_id=[])
+    forced = greedy[:3] + [(greedy[3] + 5) % target.config.vocab_size] + greedy[4:]  # off the greedy path at 3
+    decoder = StaticTarget(target, drafter.config.aux_layers, max_length=64) if use_static else target
+    argmax, top2 = target_top2(decoder, prompt, 8, eos_token_id=[], forced=forced)
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1:-1]  # [8, V]: before each
+    assert argmax == logits.argmax(-1).tolist() and argmax[:4] == greedy[:4]
+    torch.testing.assert_close(torch.tensor(top2), logits.topk(2, dim=-1).values, rtol=1e-4, atol=1e-4)
+    free, free_top2 = target_top2(decoder, prompt, 8, eos_token_id=[])
+    assert free == greedy and free_top2[:4] == top2[:4]  # the same forwards up to the forced token
+    assert target_top2(decoder, prompt, 8, forced=[]) == ([], [])

@@ -6,8 +6,10 @@ differ from plain decoding only where the target's own logits differ between the
 computing them (a one-token decode forward vs a (K+1)- or tree-wide verify forward, different
 kernels, different reduction orders). That can flip the argmax only where the top two logits are
 within the rounding error of the target dtype. The audit takes, at the first differing position,
-the top-2 gap of the *baseline's* logits (``spec.target_top2``: the same decode, replayed untimed)
-and calls the divergence explained when
+the top-2 gap of the *baseline's* logits (``spec.target_top2``: the same decode forwards, replayed
+untimed and teacher-forced on the baseline's answer, so the gap is that of the baseline's own
+context even if a free replay would decode otherwise; ``replay_identical`` says whether the
+replay's argmax reproduced the baseline) and calls the divergence explained when
 
     gap <= TIE_ULPS * ulp(max(|top1|, |top2|))
 

@@ -130,11 +130,14 @@ class BenchActor:
         from eagle3_ray import spec
 
         prompt = torch.tensor(ids, device=self.target.device)
-        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens)
+        # Teacher-forced on the baseline's answer: the gaps are those of the baseline's own context
+        # even where an untimed free replay would decode otherwise (then it is not identical).
+        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens,
+                                        forced=outputs["baseline"])
         for kind, tokens in outputs.items():
             if tokens != outputs["baseline"]:
                 audit = audit_turn(outputs["baseline"], tokens, top2, self.target.dtype)
-                audit["replay_identical"] = replay == outputs["baseline"]  # the untimed replay = the baseline
+                audit["replay_identical"] = replay == outputs["baseline"]  # the replay's argmax = the baseline
                 latest[kind]["divergence"] = audit
 
     def run(self, prompt_sets: dict[str, list[Prompt]], bench: BenchConfig,

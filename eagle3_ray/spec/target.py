@@ -173,12 +173,40 @@ def target_top2(
     max_new_tokens: int,
     *,
     eos_token_id: int | Sequence[int] | None = None,
+    forced: Sequence[int] | None = None,
 ) -> tuple[list[int], list[tuple[float, float]]]:
     """Greedy plain decoding as ``target_generate`` runs it (same forwards, same kernels), keeping
     per new token the two largest logits it was chosen from: (tokens, [(top1, top2)]). Untimed;
-    the divergence audit (``eagle3_ray.bench.audit``) reads the gap at a differing position."""
+    the divergence audit (``eagle3_ray.bench.audit``) reads the gap at a differing position.
+
+    ``forced``: feed these tokens instead of the argmax (teacher forcing, ``len(forced)`` steps,
+    ``max_new_tokens`` and EOS ignored), so every top-2 is taken in the context of ``forced``
+    itself (the audited baseline's answer) even where a free replay would decode otherwise; the
+    tokens returned are the argmax at each step (== ``forced`` iff a replay reproduces it)."""
+    if forced is not None:
+        return _forced_top2(target, input_ids, list(forced))
     tokens, _, top2 = _plain_decode(target, input_ids, max_new_tokens, 0.0, 1.0, 0, eos_token_id, keep_top2=True)
     return tokens, top2
+
+
+def _forced_top2(target, input_ids, forced: list[int]) -> tuple[list[int], list[tuple[float, float]]]:
+    from eagle3_ray.spec.static import StaticTarget  # static.py builds on this module
+
+    static = target if isinstance(target, StaticTarget) else None
+    model = static.model if static is not None else target
+    device = model_device(model)
+    runner = static.runner() if static is not None else TargetRunner(model)
+    feed = torch.tensor(forced, dtype=torch.long, device=device)
+    argmax, top2 = [], []
+    logits = runner.forward(prompt_tensor(input_ids, device)).logits[-1]
+    for i in range(len(forced)):
+        argmax.append(logits.argmax())
+        top2.append(logits.topk(2).values)
+        if i + 1 < len(forced):
+            logits = runner.forward(feed[i : i + 1]).logits[-1]  # a [1] device tensor, as plain decoding feeds
+    if not forced:
+        return [], []
+    return torch.stack(argmax).tolist(), [tuple(p) for p in torch.stack(top2).tolist()]
 
 
 def _plain_decode(target, input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id, keep_top2=False):
