@@ -13,10 +13,17 @@
 # MAX_PROMPTS (8 = one per category, 16 turns), MAX_NEW_TOKENS (128), DEADLINE (seconds after start
 # when no new category starts; 170), EXTRA (more arguments). TINY=1: the CPU smoke run, no GPU.
 # Writes $OUT/spec_h200.json (after every category), $OUT/spec_h200.log, $OUT/report/ (4 files).
+# VERIFY_SWEEP=1: only the verify cost by storage capacity and attention span (~30 s; no DRAFTER or
+# MTBENCH needed): $OUT/verify_sweep.json and a table in $OUT/spec_h200.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results directory}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ "${VERIFY_SWEEP:-0}" = 1 ]; then
+    if [ "${TINY:-0}" = 1 ]; then sweep=(--tiny); else sweep=(--target "${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}"); fi
+    python3 benchmarks/device/spec_h200.py --verify-sweep "${sweep[@]}" --out "$OUT" ${EXTRA:-} 2>&1 | tee "$OUT/spec_h200.log"
+    exit "${PIPESTATUS[0]}"
+fi
 args=(--out "$OUT" --max-prompts "${MAX_PROMPTS:-8}" --max-new-tokens "${MAX_NEW_TOKENS:-128}")
 if [ "${TINY:-0}" = 1 ]; then
     args+=(--tiny --deadline "${DEADLINE:-100000}")
