@@ -134,26 +134,6 @@ def test_extract_resumes_after_losing_a_shard(ci_tiny_inputs, prepared, cfg, tmp
     assert on_disk["first_shard_s"] == summary.first_shard_s and on_disk["run_tokens"] == redone
 
 
-def test_extract_engine_blocks_hold_the_rows_to_do_in_order_one_batch_each():
-    import pyarrow as pa
-
-    from eagle3_ray.extract.pipeline import _engine_blocks
-
-    n = 11
-    table = pa.table({"sample_id": [f"s{i:02d}" for i in range(n)],
-                      "input_ids": pa.array([list(range(i + 1)) for i in range(n)], pa.list_(pa.int32()))})
-    todo = np.ones(n, dtype=bool)
-    todo[[0, 5, 6]] = False  # finished by an earlier run
-    blocks = _engine_blocks(table, todo, rows=3)
-    assert [b.num_rows for b in blocks] == [3, 3, 2]
-    assert [sid for b in blocks for sid in b.column("sample_id").to_pylist()] == \
-        [f"s{i:02d}" for i in range(n) if todo[i]]
-    assert blocks[0].column("input_ids").to_pylist()[0] == [0, 1]
-    # Each block owns its buffers (a slice would carry, and ship to the actor, the whole table's).
-    assert sum(b.get_total_buffer_size() for b in blocks) < table.get_total_buffer_size()
-    assert _engine_blocks(table, np.zeros(n, dtype=bool), rows=3) == []
-
-
 def test_extract_compact_fp8_store_reads_back_close_to_the_full_one(store_dir, prepared, cfg, tmp_path):
     """extract.compact=fp8 end to end: half the bytes on disk, readers see bf16 near the full store."""
     from eagle3_ray.extract.pipeline import run_extract
