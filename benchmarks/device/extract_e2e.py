@@ -171,6 +171,12 @@ class Recorder(threading.Thread):
         self.peak_bytes = max(self.peak_bytes, self.kept_bytes)
         if not self.reap or self.reaping_stopped_at is not None:
             return
+        # Checked before deleting: in the poll that sees the last shards nothing is deleted, and the
+        # stage only opens its store once they are all there (so no deletion overlaps that).
+        committed = sum(s["tokens"] for s in self.seen.values())
+        if (self.total - committed) * self.bpt <= self.half:  # the rest fits beside what is kept: stop for good
+            self.reaping_stopped_at = time.time()
+            return
         while self.kept_bytes > self.half and len(self.kept) > 1:
             name = self.kept.pop(0)
             marker = self.dir / name
@@ -179,9 +185,6 @@ class Recorder(threading.Thread):
             marker.unlink(missing_ok=True)
             self.kept_bytes -= self.seen[name]["bytes"]
             self.reaped += 1
-        committed = sum(s["tokens"] for s in self.seen.values())
-        if (self.total - committed) * self.bpt <= self.half:  # the rest fits beside what is kept: stop for good
-            self.reaping_stopped_at = time.time()
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -239,8 +242,14 @@ def main(argv=None) -> int:
         log.write(line + "\n")
         log.flush()
 
-    say(f"[e2e] 1/3 bare forward of {target} on {a.device}")
+    from eagle3_ray.engines.targets import resolve_target
+
+    t = time.perf_counter()
+    resolve_target(cfg.target.model, cfg.target.cache_dir)  # a random target's tokenizer: a GGUF conversion, once
+    resolve_s = time.perf_counter() - t
+    say(f"[e2e] 1/3 bare forward of {target} on {a.device} (target files resolved in {resolve_s:.1f}s)")
     bare = bare_forward(cfg, seq, a.bare_seconds or (8.0 if cuda else 3.0))
+    bare["resolve_target_s"] = resolve_s
     say(f"[e2e] bare {bare['bare_tokens_per_s']:,.0f} tokens/s; engine built in "
         f"{bare['engine_build_s_in_process']:.1f}s in this process")
     rate_src = "--rate"

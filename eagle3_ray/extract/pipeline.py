@@ -220,6 +220,7 @@ class ExtractSummary:
     run_tokens: int = 0  # tokens this run committed (tokens counts the whole store)
     plan_s: float | None = None  # driver planning done, the dataset's execution (and engine actors) starting
     engine_s: float | None = None  # the slowest engine actor's construction (model build), in the actor
+    engine_ready_s: float | None = None  # the first engine actor ready (its wall clock against the driver's)
     first_shard_s: float | None = None  # the first committed shard reported to the driver
     steady_tokens_per_s: float | None = None  # after the first shard: tokens / (last - first report)
 
@@ -229,17 +230,21 @@ class _Timeline:
     """When this run's planning ended and its committed batches reached the driver (monotonic seconds)."""
 
     t0: float
+    t0_wall: float = 0.0  # time.time() at t0: engine actors report when they were ready on that clock
     plan: float | None = None
     first: float | None = None
     last: float | None = None
     tokens: int = 0  # every committed token of this run
     later_tokens: int = 0  # those after the first report
     engine_s: float | None = None
+    ready_at: float | None = None
 
-    def batch(self, tokens: int, engine_s: float | None) -> None:
+    def batch(self, tokens: int, engine_s: float | None, ready_at: float | None = None) -> None:
         now = time.monotonic()
         if engine_s is not None:
             self.engine_s = max(self.engine_s or 0.0, engine_s)
+        if ready_at is not None:
+            self.ready_at = min(self.ready_at or ready_at, ready_at)
         if tokens <= 0:
             return
         if self.first is None:
@@ -253,6 +258,7 @@ class _Timeline:
         span = (self.last - self.first) if self.first is not None else 0.0
         return {"run_tokens": self.tokens, "plan_s": since(self.plan),
                 "engine_s": None if self.engine_s is None else round(self.engine_s, 2),
+                "engine_ready_s": None if self.ready_at is None else round(self.ready_at - self.t0_wall, 2),
                 "first_shard_s": since(self.first),
                 "steady_tokens_per_s": round(self.later_tokens / span, 1) if span > 0 else None}
 
@@ -270,7 +276,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.progress import RateMeter
 
     t0 = time.monotonic()
-    timeline = _Timeline(t0)
+    timeline = _Timeline(t0, time.time())
     src = prepared_path(prepared)
     if src is None:
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
@@ -338,9 +344,10 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         _note_actors(actors, batch)
         ok = batch["status"] == "ok"
-        engine_s = batch.get("engine_s")
+        engine_s, ready_at = batch.get("engine_s"), batch.get("engine_ready_at")
         timeline.batch(int(batch["num_tokens"][ok].sum()),
-                       float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None)
+                       float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None,
+                       float(np.min(ready_at)) if ready_at is not None and len(ready_at) else None)
         meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
                      nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
                      rejected=int((batch["status"] == "rejected").sum()))
@@ -388,7 +395,8 @@ def _finish_extract(out: Path, timeline: _Timeline, skipped: int, rejected: int)
     )
     if summary.first_shard_s is not None:
         steady = f"{summary.steady_tokens_per_s:,.0f}" if summary.steady_tokens_per_s else "?"
-        engine = f", engine built in {summary.engine_s}s" if summary.engine_s is not None else ""
+        engine = (f", an engine actor ready after {summary.engine_ready_s}s, its build {summary.engine_s}s"
+                  if summary.engine_s is not None else "")
         say(f"[extract] this run: {summary.run_tokens:,} tokens; first shard after {summary.first_shard_s}s "
             f"(planning {summary.plan_s}s{engine}); {summary.run_tokens / seconds:,.0f} tokens/s end to end, "
             f"{steady} tokens/s after the first shard")

@@ -248,7 +248,9 @@ class CaptureWriteUDF:
         self.run = run
         t0 = time.monotonic()
         self.engine = build_engine(target, batch_tokens=batch_tokens)
-        self.engine_s = time.monotonic() - t0  # reported with every row: the stage's startup breakdown
+        # Reported with every row, for the stage's start-up breakdown: the build's seconds, and when
+        # it ended (wall clock: the driver compares it with its own start, on the same node or an NTP'd one).
+        self.engine_s, self.ready_at = time.monotonic() - t0, time.time()
         if self.engine.info.hidden_size != meta.hidden_size:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
         self.root, self.meta = root, meta
@@ -295,13 +297,14 @@ class CaptureWriteUDF:
 
     def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str]):
         """One small row per sample: its status, the engine actor and node that handled it, and how
-        long that actor took to build its engine."""
+        long that actor took to build its engine and when it was done."""
         n = len(status)
         return {"sample_id": sample_ids, "num_tokens": lengths, "status": np.asarray(status, dtype=object),
                 "reason": np.asarray(reasons, dtype=object),
                 "actor": np.asarray([self.actor] * n, dtype=object),
                 "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object),
-                "engine_s": np.full(n, self.engine_s, dtype=np.float64)}
+                "engine_s": np.full(n, self.engine_s, dtype=np.float64),
+                "engine_ready_at": np.full(n, self.ready_at, dtype=np.float64)}
 
     def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
         from eagle3_ray import metrics
