@@ -64,6 +64,7 @@ DEEPSEEK_TINY = dict(
     kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16,
     num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=256,
     moe_layer_freq=1,  # SGLang's DeepseekV2DecoderLayer reads it; transformers' config does not define it
+    topk_method="noaux_tc", scoring_func="sigmoid",  # SGLang's MoEGate reads them (V3's router); HF's V3 is that router
     intermediate_size=2048, n_group=1, topk_group=1, routed_scaling_factor=2.5, vocab_size=8192,
     max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,
 )
@@ -251,12 +252,14 @@ def part_d(a) -> dict:
     from eagle3_ray.engines.hf import HFEngine
     from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
 
-    out = WORK / "deepseek-tiny"
     dims = dict(DEEPSEEK_TINY)
     if a.cpu:
         dims.update(hidden_size=256, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
                     v_head_dim=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=512,
                     moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, vocab_size=1024)
+    import hashlib  # one directory per config: a saved model is reused only for the same dims
+
+    out = WORK / f"deepseek-tiny-{hashlib.sha1(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:10]}"
     if not (out / "config.json").is_file():
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**dims)).to(torch.bfloat16)
