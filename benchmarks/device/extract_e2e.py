@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
                          "extract_gpu_8b_pinned.json on cuda, this call's bare forward on cpu)")
     ap.add_argument("--samples", type=int, default=None, help="job size in samples (overrides --job-seconds)")
     ap.add_argument("--bare-seconds", type=float, default=None, help="timed bare forward (default 8; cpu 3)")
-    ap.add_argument("--work", default=None, help="prepared data + store (default /dev/shm/extract_e2e on cuda)")
+    ap.add_argument("--work", default=None, help="prepared data + store, deleted at the end (default "
+                    "/dev/shm/extract_e2e on cuda where /dev/shm has 16 GB free, else $TMPDIR/extract_e2e)")
     ap.add_argument("--budget-gb", type=float, default=None,
                     help="bytes the store may hold at once (default 45%% of its free space)")
     ap.add_argument("--timeout", type=float, default=None, help="cap of the extract run, s (default 3 x job)")
@@ -222,7 +224,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm")
     roomy_shm = cuda and shm.is_dir() and shutil.disk_usage(shm).free > 16e9  # tmpfs: no disk write bound
-    work = Path(a.work or (shm / "extract_e2e" if roomy_shm else out / "work"))
+    # Never under --out: the store is tens of GB, and $OUT comes back from the device machine.
+    work = Path(a.work or (shm / "extract_e2e" if roomy_shm else Path(tempfile.gettempdir()) / "extract_e2e"))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     overrides = [f"target.model={target}", f"target.device={a.device}",
@@ -232,7 +235,6 @@ def main(argv=None) -> int:
                  *([] if cuda else ["ray.num_cpus=2"]), *a.overrides]
 
     from eagle3_ray.config import load_config
-    from eagle3_ray.features.record import bytes_per_token
 
     cfg = load_config(None, overrides)
     log = open(out / "extract_e2e.log", "w")
@@ -242,7 +244,16 @@ def main(argv=None) -> int:
         log.write(line + "\n")
         log.flush()
 
+    try:
+        return _run(a, cfg, cuda, target, seq, job_s, out, work, overrides, say, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a, cfg, cuda, target, seq, job_s, out, work, overrides, say, log) -> int:
+    """The three phases of the module docstring; results to <out>/extract_e2e.json."""
     from eagle3_ray.engines.targets import resolve_target
+    from eagle3_ray.features.record import bytes_per_token
 
     t = time.perf_counter()
     resolve_target(cfg.target.model, cfg.target.cache_dir)  # a random target's tokenizer: a GGUF conversion, once
@@ -335,7 +346,6 @@ def main(argv=None) -> int:
         f"over {wall:.1f}s incl. start (x{result['extract_ratio_end_to_end'] or 0:.3f}, goal >= 0.80), steady "
         f"{steady or 0:,.0f} (x{result['extract_ratio_steady'] or 0:.3f}) | first shard {first or 0:.1f}s after "
         f"launch ({stage.get('first_shard_s')}s after the stage's start) -> {out / 'extract_e2e.json'}")
-    shutil.rmtree(work, ignore_errors=True)
     return 0 if rc == 0 else 1
 
 
