@@ -122,7 +122,7 @@ def main() -> int:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         sg.KEEP_SHAPES = old_keep
-        rows = [json.loads(x) for x in part.read_text().splitlines() if x.strip()]
+        rows = [json.loads(x) for x in part.read_text().split("\n") if x.strip()]
         answers = sum(m["role"] == "assistant" for r in rows for m in r["conversations"])
         r = {"seconds": round(dt, 2), "samples": len(rows), "rejected": rejected, "answers": answers,
              "new_tokens": summary["new_tokens"], "samples_per_s": round(len(rows) / dt, 3),
