@@ -122,3 +122,20 @@ def test_generate_stage_rejects_long_prompts_and_writes_input_order(ray_local, t
     assert [(r["sample_id"], r["stage"]) for r in rejects] == [("huge", "generate")]
     summary = json.loads((tmp_path / "gen" / "summary.json").read_text())
     assert (summary["conversations"], summary["rejected"]) == (5, 1)
+
+
+def test_join_keeps_answers_with_unicode_line_separators_whole(tmp_path):
+    """Answers are written with ensure_ascii=False, so U+2028 / U+2029 / U+0085 stand raw inside a
+    record: the join splits at "\\n" only (str.splitlines would cut the record and fail to parse it)."""
+    from eagle3_ray.data.distill import _append  # the writer of the actors' part files
+
+    answer = "line one\u2028line two\u2029para\x85next\x1cend"
+    part = tmp_path / "p.jsonl"
+    with open(part, "w", encoding="utf-8") as f:
+        _append(f, [{"id": "u1", "conversations": [{"role": "assistant", "content": answer}]}])
+    assert "\u2028" in part.read_text(encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    with open(out, "wb") as f:
+        assert join_in_order([part], ["u1"], f) == 1
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x.strip()]
+    assert rows[0]["conversations"][0]["content"] == answer

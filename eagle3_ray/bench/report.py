@@ -55,7 +55,7 @@ def read_train_metrics(path: str | Path) -> list[dict[str, Any]]:
     if not file.is_file():
         raise DataError(f"training metrics {file} does not exist; pass the metrics.jsonl of a training run")
     rows: dict[int, dict[str, Any]] = {}
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(file.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -100,7 +100,7 @@ def join_in_order(parts: list[Path], ids: list[str], dst) -> int:
         rank.setdefault(str(sid), i)
     lines = []
     for p in parts:
-        for line in p.read_text(encoding="utf-8").splitlines():
+        for line in p.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 lines.append((rank.get(str(json.loads(line).get("id")), len(ids)), len(lines), line))
     lines.sort()

@@ -300,7 +300,10 @@ def read_rejects(root: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    # split at "\n" only: str.splitlines() would also split inside a record at U+2028 and the like
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").split("\n"), 1):
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
         except ValueError:
