@@ -176,6 +176,11 @@ def _dispatch(args) -> int:
 
 
 def _stage_command(cmd: str, cfg, args) -> int:
+    target_info = None
+    if cmd == "extract":  # the target's description (transformers' import: seconds) overlaps the Ray start
+        from eagle3_ray.extract.pipeline import describe_in_background
+
+        target_info = describe_in_background(cfg.target)
     _ray(cfg)
     if cmd == "prepare":
         from eagle3_ray.extract.pipeline import run_prepare
@@ -191,7 +196,7 @@ def _stage_command(cmd: str, cfg, args) -> int:
         data = args.data or cfg.data.path
         if data is None or prepared_path(data) is None:
             data = run_prepare(cfg, data, Path(args.out) / "_prepared").prepared
-        run_extract(cfg, data, args.out)
+        run_extract(cfg, data, args.out, target_info=target_info)
     elif cmd == "vocab":
         from eagle3_ray.extract.vocab_stage import run_vocab
 

@@ -191,3 +191,18 @@ def test_vocab_counts_loss_tokens_and_is_cached(store_dir, cfg, tmp_path):
     assert meta["coverage"] == pytest.approx(1.0)
     mtime = path.stat().st_mtime_ns
     assert run_vocab(cfg, store_dir, tmp_path) == path and path.stat().st_mtime_ns == mtime
+
+
+def test_describe_in_background_gives_describe_targets_answer_or_its_error(cfg, tmp_path):
+    """The CLI describes the target on a thread while Ray starts: the same EngineInfo as describing it
+    in run_extract, and a target that cannot be described raises the same error where it is asked for."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.errors import TargetLoadError
+    from eagle3_ray.extract.pipeline import describe_in_background
+
+    assert describe_in_background(cfg.target).result(timeout=300) == describe_target(cfg.target)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    future = describe_in_background(cfg.target.model_copy(update={"model": f"random:{bad}"}))
+    with pytest.raises(TargetLoadError):
+        future.result(timeout=300)

@@ -14,10 +14,13 @@ stopped: prepare is atomic (all or nothing), extract skips samples already commi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +33,8 @@ from eagle3_ray.atomic import tmp_path, write_file, write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.errors import DataError, StoreError
 from eagle3_ray.progress import say
+
+log = logging.getLogger(__name__)
 
 PREPARED_FILE = "prepared.parquet"
 REJECTS_FILE = "rejects.jsonl"
@@ -225,6 +230,22 @@ class ExtractSummary:
     steady_tokens_per_s: float | None = None  # after the first shard: tokens / (last - first report)
 
 
+class _Steps:
+    """Seconds per named step of the driver's planning, for one log line (where start-up time goes)."""
+
+    def __init__(self) -> None:
+        self.t = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.steps.append((name, now - self.t))
+        self.t = now
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {s:.2f}s" for name, s in self.steps)
+
+
 @dataclass
 class _Timeline:
     """When this run's planning ended and its committed batches reached the driver (monotonic seconds)."""
@@ -263,8 +284,35 @@ class _Timeline:
                 "steady_tokens_per_s": round(self.later_tokens / span, 1) if span > 0 else None}
 
 
-def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> ExtractSummary:
-    """Capture hidden states for every prepared sample not yet in the store at `out`."""
+def describe_in_background(target) -> Future:
+    """``describe_target(target)`` on a daemon thread, as a Future for run_extract's ``target_info``.
+
+    Describing a target imports transformers (and torch) and may convert a GGUF once: seconds the
+    caller can overlap with other work (the CLI starts Ray meanwhile). An error is raised where the
+    Future's result is asked for, as the same exception describe_target raises."""
+    fut: Future = Future()
+
+    def work() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            from eagle3_ray.engines.describe import describe_target
+
+            fut.set_result(describe_target(target))
+        except BaseException as e:  # noqa: BLE001 (handed to the caller as is)
+            fut.set_exception(e)
+
+    threading.Thread(target=work, name="describe-target", daemon=True).start()
+    return fut
+
+
+def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
+                target_info: Future | None = None) -> ExtractSummary:
+    """Capture hidden states for every prepared sample not yet in the store at `out`.
+
+    ``target_info``: describe_in_background(cfg.target), started earlier by the caller; else the
+    target is described here."""
+    steps = _Steps()
     import ray
 
     from eagle3_ray.engines.describe import describe_target
@@ -275,13 +323,15 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     from eagle3_ray.ray_session import check_shared_dir
     from eagle3_ray.progress import RateMeter
 
+    steps("imports")
     t0 = time.monotonic()
     timeline = _Timeline(t0, time.time())
     src = prepared_path(prepared)
     if src is None:
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
     out = Path(out)
-    info = describe_target(cfg.target)
+    info = target_info.result() if target_info is not None else describe_target(cfg.target)
+    steps("describe_target")
     # Creating (or re-opening) the store checks its metadata against this target before any work.
     meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
     create_store(out, meta)
@@ -289,12 +339,15 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
     if removed:
         say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
+    steps("store")
 
     table = pq.read_table(src, columns=["sample_id", "num_tokens"])
     all_ids = table.column("sample_id")
     lengths = table.column("num_tokens").to_numpy()
+    steps("read_ids")
     done = finished(out, all_ids.to_pylist())  # bool [N]: committed or rejected by an earlier run
     todo = ~done
+    steps("finished")
     todo_tokens = int(lengths[todo].sum())
     skipped = int(done.sum())
     if skipped:
@@ -302,7 +355,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     if not todo.any():
         return _finish_extract(out, timeline, skipped, 0)
     check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
+    steps("check_disk")
     check_shared_dir(out, "--out (the feature store)")  # engine actors on every node write their shards there
+    steps("check_shared_dir")
 
     concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
@@ -311,6 +366,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
     # not as Ray Data's UserCodeException, whose only trace of it is the remote traceback text.
     ray.data.DataContext.get_current().raise_original_map_exception = True
     ds = ray.data.read_parquet(str(src))
+    steps("read_parquet")
     if done.any():  # the finished ids travel once, with the filter
         ds = ds.map_batches(_drop_ids, fn_kwargs=dict(drop=all_ids.filter(pa.array(done)).combine_chunks()),
                             batch_format="pyarrow", batch_size=None)
@@ -338,6 +394,8 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> E
         batch_size=rows_per_batch,
         batch_format="numpy",
     )
+    steps("dataset")
+    log.info("extract planning: %s", steps.line())
     meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
     timeline.plan = last = time.monotonic()
     actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
