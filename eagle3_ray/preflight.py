@@ -227,10 +227,12 @@ def check_store_fits_target(meta, cfg: PipelineConfig, what: str) -> None:
 
 def check_existing_store_out(cfg: PipelineConfig, out: str | None) -> None:
     """extract adds to the store at --out: one that is there already must be this target's."""
+    if out is None or not Path(out).is_dir() or not any(Path(out).iterdir()):
+        return  # a new --out: nothing to read, and torch (the features package's import) is left to Ray's start
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.features.store import META_FILE, StoreMeta, ensure_meta
 
-    if out is None or not (Path(out) / META_FILE).is_file():
+    if not (Path(out) / META_FILE).is_file():
         return
     info = describe_target(cfg.target)
     # the meta run_extract writes; the file exists, so ensure_meta only reads and compares

