@@ -47,18 +47,44 @@ RESULTS = ROOT / "benchmarks" / "results" / "extract_gpu_8b_pinned.json"
 BUDGET_ENV = "EXTRACT_E2E_STORE_BUDGET_TOKENS"
 
 
+class _PatchOnImport:
+    """A sys.meta_path finder: runs `patch(module)` right after the module `name` is first imported."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def cli_wrapper(argv: list[str]) -> int:
     """`eagle3-ray <argv>`, with the disk preflight asked about the tokens the store holds at once."""
     budget = os.environ.get(BUDGET_ENV)
     if budget:
-        import eagle3_ray.features.preflight as preflight
+        # Patched when the stage imports it, not imported here: its import brings torch, which the
+        # CLI itself imports only while Ray starts (importing it here would add seconds to the start).
+        def patch(preflight) -> None:
+            real = preflight.check_disk
 
-        real = preflight.check_disk
+            def check_disk(out_dir, num_tokens, hidden_size, **kw):
+                return real(out_dir, min(num_tokens, int(budget)), hidden_size, **kw)
 
-        def check_disk(out_dir, num_tokens, hidden_size, **kw):
-            return real(out_dir, min(num_tokens, int(budget)), hidden_size, **kw)
+            preflight.check_disk = check_disk
 
-        preflight.check_disk = check_disk
+        sys.meta_path.insert(0, _PatchOnImport("eagle3_ray.features.preflight", patch))
     from eagle3_ray.cli import main
 
     return main(argv)
