@@ -131,6 +131,8 @@ def test_extract_resumes_after_losing_a_shard(ci_tiny_inputs, prepared, cfg, tmp
     assert 0 < summary.plan_s <= summary.first_shard_s <= summary.seconds
     # The engine actor reports its build time and when it was ready (its clock; one node here).
     assert summary.engine_s > 0 and summary.plan_s < summary.engine_ready_s <= summary.first_shard_s
+    # ... and its start-up before the build: process (possibly started by Ray in advance), constructor, imports.
+    assert summary.actor_process_s <= summary.actor_init_s <= summary.actor_imported_s <= summary.engine_ready_s
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["first_shard_s"] == summary.first_shard_s and on_disk["run_tokens"] == redone
 

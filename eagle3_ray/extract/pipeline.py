@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +224,12 @@ class ExtractSummary:
     # This run's timeline, from the stage's start (run_extract called); None where it committed nothing.
     run_tokens: int = 0  # tokens this run committed (tokens counts the whole store)
     plan_s: float | None = None  # driver planning done, the dataset's execution (and engine actors) starting
+    # The first engine actor's start-up, on its clock against the driver's (negative: before the stage
+    # started, e.g. a worker process Ray had started in advance): its process started, its constructor
+    # entered (the process imported Ray Data and the stage's modules), the engine's modules (torch) imported.
+    actor_process_s: float | None = None
+    actor_init_s: float | None = None
+    actor_imported_s: float | None = None
     engine_s: float | None = None  # the slowest engine actor's construction (model build), in the actor
     engine_ready_s: float | None = None  # the first engine actor ready (its wall clock against the driver's)
     first_shard_s: float | None = None  # the first committed shard reported to the driver
@@ -246,6 +252,9 @@ class _Steps:
         return ", ".join(f"{name} {s:.2f}s" for name, s in self.steps)
 
 
+ACTOR_STARTS = ("process_at", "init_at", "imported_at")  # CaptureWriteUDF's start-up columns
+
+
 @dataclass
 class _Timeline:
     """When this run's planning ended and its committed batches reached the driver (monotonic seconds)."""
@@ -259,13 +268,19 @@ class _Timeline:
     later_tokens: int = 0  # those after the first report
     engine_s: float | None = None
     ready_at: float | None = None
+    # the earliest engine actor's start-up (time.time()): process_at, init_at, imported_at (ACTOR_STARTS)
+    actor_at: dict[str, float] = field(default_factory=dict)
 
-    def batch(self, tokens: int, engine_s: float | None, ready_at: float | None = None) -> None:
+    def batch(self, tokens: int, engine_s: float | None, ready_at: float | None = None,
+              actor_at: dict[str, float] | None = None) -> None:
         now = time.monotonic()
         if engine_s is not None:
             self.engine_s = max(self.engine_s or 0.0, engine_s)
         if ready_at is not None:
             self.ready_at = min(self.ready_at or ready_at, ready_at)
+        for k, v in (actor_at or {}).items():
+            if not math.isnan(v):
+                self.actor_at[k] = min(self.actor_at.get(k, v), v)
         if tokens <= 0:
             return
         if self.first is None:
@@ -277,7 +292,9 @@ class _Timeline:
     def fields(self) -> dict:
         since = (lambda t: None if t is None else round(t - self.t0, 2))
         span = (self.last - self.first) if self.first is not None else 0.0
-        return {"run_tokens": self.tokens, "plan_s": since(self.plan),
+        at = {f"actor_{k[:-3]}_s": round(self.actor_at[k] - self.t0_wall, 2) if k in self.actor_at else None
+              for k in ACTOR_STARTS}
+        return {"run_tokens": self.tokens, "plan_s": since(self.plan), **at,
                 "engine_s": None if self.engine_s is None else round(self.engine_s, 2),
                 "engine_ready_s": None if self.ready_at is None else round(self.ready_at - self.t0_wall, 2),
                 "first_shard_s": since(self.first),
@@ -405,7 +422,8 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         engine_s, ready_at = batch.get("engine_s"), batch.get("engine_ready_at")
         timeline.batch(int(batch["num_tokens"][ok].sum()),
                        float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None,
-                       float(np.min(ready_at)) if ready_at is not None and len(ready_at) else None)
+                       float(np.min(ready_at)) if ready_at is not None and len(ready_at) else None,
+                       {k: float(np.min(batch[k])) for k in ACTOR_STARTS if k in batch and len(batch[k])})
         meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
                      nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
                      rejected=int((batch["status"] == "rejected").sum()))
@@ -455,6 +473,9 @@ def _finish_extract(out: Path, timeline: _Timeline, skipped: int, rejected: int)
         steady = f"{summary.steady_tokens_per_s:,.0f}" if summary.steady_tokens_per_s else "?"
         engine = (f", an engine actor ready after {summary.engine_ready_s}s, its build {summary.engine_s}s"
                   if summary.engine_s is not None else "")
+        if summary.actor_init_s is not None:
+            engine += (f" (its process started at {summary.actor_process_s}s, its constructor at "
+                       f"{summary.actor_init_s}s, the engine's modules imported at {summary.actor_imported_s}s)")
         say(f"[extract] this run: {summary.run_tokens:,} tokens; first shard after {summary.first_shard_s}s "
             f"(planning {summary.plan_s}s{engine}); {summary.run_tokens / seconds:,.0f} tokens/s end to end, "
             f"{steady} tokens/s after the first shard")

@@ -224,6 +224,15 @@ def _ray_placement() -> tuple[dict[str, str] | None, str]:
     return {"ip": ray.util.get_node_ip_address(), "id": ctx.get_node_id()}, ctx.get_actor_id() or ""
 
 
+def _process_start() -> float:
+    """When this process started (time.time() clock); nan where psutil (a Ray dependency) is absent."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    return psutil.Process().create_time()
+
+
 def _record_stage(run: str, stage: str, samples: int, tokens: int, rejects: int) -> None:
     from eagle3_ray import metrics
 
@@ -243,8 +252,12 @@ class CaptureWriteUDF:
     """
 
     def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta, run: str = ""):
+        # The actor's start-up on the wall clock, for the stage's breakdown: its process started,
+        # this constructor entered, the engine modules (torch) imported.
+        self.started_at = (_process_start(), time.time())
         from eagle3_ray.engines.factory import build_engine
 
+        self.imported_at = time.time()
         self.run = run
         t0 = time.monotonic()
         self.engine = build_engine(target, batch_tokens=batch_tokens)
@@ -304,7 +317,10 @@ class CaptureWriteUDF:
                 "actor": np.asarray([self.actor] * n, dtype=object),
                 "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object),
                 "engine_s": np.full(n, self.engine_s, dtype=np.float64),
-                "engine_ready_at": np.full(n, self.ready_at, dtype=np.float64)}
+                "engine_ready_at": np.full(n, self.ready_at, dtype=np.float64),
+                "process_at": np.full(n, self.started_at[0], dtype=np.float64),
+                "init_at": np.full(n, self.started_at[1], dtype=np.float64),
+                "imported_at": np.full(n, self.imported_at, dtype=np.float64)}
 
     def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
         from eagle3_ray import metrics
