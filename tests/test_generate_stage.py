@@ -1,6 +1,7 @@
 """The generate stage: the order its actors answer prompts in (by turns, then prompt length, so a
 batched decoder gets batches of alike prompts), the prompts it rejects as too long for
-data.max_length, and the driver's join back into input order. The actor runs here as a plain
+data.max_length, and the driver's join back into input order; more answers per prompt
+(generate.samples_per_prompt: sampled copies under ids <id>#s<copy>). The actor runs here as a plain
 object on the real HF engine (seeded random tiny Llama, SmolLM2 tokenizer); one test runs the stage
 through Ray."""
 
@@ -13,7 +14,11 @@ import pytest
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.data.chat import render_generation_prompt
 from eagle3_ray.data.sources import Sample
-from eagle3_ray.extract.generate_stage import DistillActor, generation_order, join_in_order
+from eagle3_ray.data.distill import self_distill
+from eagle3_ray.errors import DataError
+from eagle3_ray.extract.generate_stage import (
+    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order,
+)
 
 TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
 GEN = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "batch_size": 2, "seed": 0}
@@ -47,10 +52,11 @@ class Recording:
     """Passes generate calls to the real engine, remembering each call's prompts."""
 
     def __init__(self, inner):
-        self.inner, self.info, self.calls = inner, inner.info, []
+        self.inner, self.info, self.calls, self.sampling = inner, inner.info, [], []
 
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
         self.calls.append([list(p) for p in prompts])
+        self.sampling.append((temperature, top_p, seed))
         return self.inner.generate(prompts, max_new_tokens, temperature, top_p, seed)
 
 
@@ -122,6 +128,22 @@ def test_generate_stage_rejects_long_prompts_and_writes_input_order(ray_local, t
     assert [(r["sample_id"], r["stage"]) for r in rejects] == [("huge", "generate")]
     summary = json.loads((tmp_path / "gen" / "summary.json").read_text())
     assert (summary["conversations"], summary["rejected"]) == (5, 1)
+    assert (summary["samples_per_prompt"], summary["conversations_per_copy"]) == (1, [5])
+
+    # Two answers per prompt: each prompt-only sample's sampled copy follows its greedy answer, which
+    # is the record of the run above byte for byte; the too-long prompt is rejected once.
+    cfg2 = load_config("configs/ci-tiny.yaml", ["data.max_length=256", "generate.max_new_tokens=4",
+                                                "generate.samples_per_prompt=2"])
+    joined2 = run_generate(cfg2, str(data), tmp_path / "gen2")
+    lines = joined2.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [
+        "long", "long#s1", "short", "short#s1", "two-turns", "two-turns#s1", "answered", "mid", "mid#s1"]
+    assert [line for line in lines if "#s1" not in json.loads(line)["id"]] == joined.read_text().splitlines()
+    rejects = [json.loads(line) for line in (tmp_path / "gen2" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["sample_id"] for r in rejects] == ["huge"]
+    summary = json.loads((tmp_path / "gen2" / "summary.json").read_text())
+    assert (summary["conversations"], summary["rejected"]) == (9, 1)
+    assert (summary["samples_per_prompt"], summary["conversations_per_copy"]) == (2, [5, 4])
 
 
 def test_join_keeps_answers_with_unicode_line_separators_whole(tmp_path):
@@ -139,3 +161,57 @@ def test_join_keeps_answers_with_unicode_line_separators_whole(tmp_path):
         assert join_in_order([part], ["u1"], f) == 1
     rows = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x.strip()]
     assert rows[0]["conversations"][0]["content"] == answer
+
+
+def test_one_answer_per_prompt_writes_what_the_stage_wrote_before_copies(actor, tmp_path):
+    """samples_per_prompt=1 (and a gen dict without the key): the part file is byte for byte what the
+    actor wrote before copies existed (generation order, then one self_distill call)."""
+    samples = _samples()
+    before = tmp_path / "before.jsonl"
+    ordered, _ = generation_order(samples, actor.tokenizer, 256)
+    self_distill(actor.engine, actor.tokenizer, ordered, before, max_new_tokens=4, temperature=0.0, top_p=1.0,
+                 batch_size=2, seed=0)
+    for i, gen in enumerate([GEN, {**GEN, "samples_per_prompt": 1, "sample_temperature": 0.7}]):
+        part = tmp_path / f"part{i}.jsonl"
+        summary = actor.run([vars(s) for s in samples], str(part), gen, max_length=256)
+        assert part.read_bytes() == before.read_bytes()
+        assert [c["total"] for c in summary["per_copy"]] == [5] and summary["generated"] == 4
+
+
+def test_sampled_copies_follow_copy_zero_in_generation_order_and_resume(actor, tmp_path):
+    inner = actor.engine
+    actor.engine = rec = Recording(inner)
+    gen = {**GEN, "samples_per_prompt": 3, "sample_temperature": 0.7, "top_p": 0.9, "seed": 5}
+    part = tmp_path / "part.jsonl"
+    try:
+        summary = actor.run([vars(s) for s in _samples()], str(part), gen, max_length=256)
+    finally:
+        actor.engine = inner
+    written = [json.loads(line)["id"] for line in part.read_text().splitlines()]
+    order = ["mid", "short", "long", "two-turns"]  # prompt-only, generation order; "answered" is not copied
+    assert written == ["answered", *order, *[f"{i}#s1" for i in order], *[f"{i}#s2" for i in order]]
+    assert [r["sample_id"] for r in summary["rejected"]] == ["huge"]  # once, not per copy
+    assert [c["total"] for c in summary["per_copy"]] == [5, 4, 4] and summary["generated"] == 12
+    # Copy 0 at generate.temperature (greedy), copy c at sample_temperature from seed + c (+1 a call,
+    # as self_distill counts): copy 0 makes 4 calls (batches of 2 with "answered" first, the two-turn
+    # sample's second turn), each sampled copy 3 (no "answered").
+    assert [t for t, _, _ in rec.sampling] == [0.0] * 4 + [0.7] * 6
+    assert [seed for _, _, seed in rec.sampling] == [5, 6, 7, 8, 6, 7, 8, 7, 8, 9]
+    assert {p for _, p, _ in rec.sampling} == {0.9}
+    # A rerun answers nothing again: every copy resumes by id from the one part file.
+    again = actor.run([vars(s) for s in _samples()], str(part), gen, max_length=256)
+    assert again["generated"] == 0 and [c["skipped"] for c in again["per_copy"]] == [5, 4, 4]
+    assert [json.loads(line)["id"] for line in part.read_text().splitlines()] == written
+
+
+def test_copy_ids_and_their_collisions_with_input_ids():
+    assert [copy_id("q7", c) for c in range(3)] == ["q7", "q7#s1", "q7#s2"]
+    assert [base_id(i) for i in ["q7", "q7#s1", "q7#s12", "a#s1#s2", "a#sx", "a#s", "a#s1b", "file-3"]] == [
+        "q7", "q7", "q7", "a#s1", "a#sx", "a#s", "a#s1b", "file-3"]
+    given = [Sample("a", [_user("x")], "f:1"), Sample("a#s1", [_user("y")], "f:2"),
+             Sample("b", [_user("Hi"), {"role": "assistant", "content": "Hello"}], "f:3"),
+             Sample("b#s1", [_user("z")], "f:4")]
+    check_copy_ids(given, 1)  # no copies: any ids
+    with pytest.raises(DataError, match=r"f:2 has the id 'a#s1'.*copy 1 of 'a'.*samples_per_prompt=1"):
+        check_copy_ids(given, 2)
+    check_copy_ids(given[2:], 3)  # "b" is answered already: it has no copies, "b#s1" is free

@@ -9,20 +9,43 @@ length. A batched decoder pads every row of a batch to its longest prompt, and a
 generates each turn in its own call: batches of similar prompts with the same number of turns keep
 the padding, the calls' shapes (KV storages, CUDA graphs) and the work per row alike. Prompts that
 alone fill ``data.max_length`` are rejected up front: no answer token of theirs could be trained on.
+
+``generate.samples_per_prompt`` = n > 1 answers every prompt-only sample n times: copy 0 as with n = 1
+(``generate.temperature``, the sample's own id), copies 1..n-1 sampled at
+``generate.sample_temperature`` under the ids ``<id>#s<copy>`` (``copy_id``), more trajectories of
+the same target from the same prompts. Each actor writes its copies, in the same generation order,
+into its one part file after copy 0 (resume skips the ids already written); the join puts each
+prompt's copies together, copy 0 first. Training holds a prompt's copies out together
+(``base_id``; train/trainer.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.errors import DataError
 from eagle3_ray.progress import say
 
 CONVERSATIONS_FILE = "conversations.jsonl"
+COPY_TAG = "#s"  # <id>#s<copy>: the sampled copies 1..n-1 of a prompt (generate.samples_per_prompt)
+_COPY_SUFFIX = re.compile(re.escape(COPY_TAG) + r"[0-9]+\Z")
+
+
+def copy_id(sample_id: str, copy: int) -> str:
+    """Id of answer ``copy`` of a prompt: its own id for copy 0, ``<id>#s<copy>`` for the sampled ones."""
+    return sample_id if copy == 0 else f"{sample_id}{COPY_TAG}{copy}"
+
+
+def base_id(sample_id: str) -> str:
+    """The prompt an answer belongs to: ``sample_id`` without a trailing ``#s<digits>``."""
+    return _COPY_SUFFIX.sub("", sample_id)
 
 
 class DistillActor:
@@ -38,25 +61,37 @@ class DistillActor:
         self.tokenizer = load_tokenizer(cfg)
 
     def run(self, samples: list[dict], part_path: str, gen: dict, max_length: int | None = None) -> dict:
-        """Answers ``samples`` into ``part_path`` (resumable); the summary's ``rejected`` lists the
-        prompts too long for ``max_length`` (None: none rejected), which are not answered."""
+        """Answers ``samples`` into ``part_path`` (resumable), ``gen["samples_per_prompt"]`` times
+        (default 1; see the module doc); the summary's ``rejected`` lists the prompts too long for
+        ``max_length`` (None: none rejected), which are not answered, and ``per_copy`` the summary
+        of each copy (its ``total``: the records of that copy in the part file)."""
         from eagle3_ray.data.distill import self_distill
         from eagle3_ray.data.sources import Sample
 
         ordered, too_long = generation_order([Sample(**s) for s in samples], self.tokenizer, max_length)
-        summary = self_distill(
-            self.engine,
-            self.tokenizer,
-            ordered,
-            part_path,
-            max_new_tokens=gen["max_new_tokens"],
-            temperature=gen["temperature"],
-            top_p=gen["top_p"],
-            batch_size=gen["batch_size"],
-            seed=gen["seed"],
-        )
-        out = dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary)
-        return {**out, "rejected": too_long}
+        per_copy = []
+        for copy in range(int(gen.get("samples_per_prompt", 1))):
+            if copy == 0:
+                todo, temperature = ordered, gen["temperature"]
+            else:  # samples with answers already would only be repeated: prompt-only ones are copied
+                todo = [dataclasses.replace(s, sample_id=copy_id(s.sample_id, copy))
+                        for s in ordered if s.needs_generation]
+                temperature = gen["sample_temperature"]
+            summary = self_distill(
+                self.engine,
+                self.tokenizer,
+                todo,
+                part_path,
+                max_new_tokens=gen["max_new_tokens"],
+                temperature=temperature,
+                top_p=gen["top_p"],
+                batch_size=gen["batch_size"],
+                seed=gen["seed"] + copy,
+            )
+            per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
+        out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}
+        out["seconds"] = round(out["seconds"], 3)
+        return {**out, "per_copy": per_copy, "rejected": too_long}
 
     def close(self) -> None:
         self.engine.close()
@@ -109,6 +144,25 @@ def join_in_order(parts: list[Path], ids: list[str], dst) -> int:
     return len(lines)
 
 
+def check_copy_ids(samples: list, copies: int) -> None:
+    """DataError if a sampled copy's id ``<id>#s<copy>`` (copies 1..``copies``-1 of the prompt-only
+    ``samples``) is the id of an input sample: the two records would share an id."""
+    if copies <= 1:
+        return
+    given = {s.sample_id: s.source for s in samples}
+    for s in samples:
+        if not s.needs_generation:
+            continue
+        for copy in range(1, copies):
+            cid = copy_id(s.sample_id, copy)
+            if cid in given:
+                raise DataError(
+                    f"the record {given[cid]} has the id {cid!r}, which generate.samples_per_prompt={copies} "
+                    f"gives the sampled copy {copy} of {s.sample_id!r} ({s.source}); rename that record's id "
+                    "or set generate.samples_per_prompt=1"
+                )
+
+
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
@@ -120,14 +174,17 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
     source = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
-    samples, rejects = [], []
+    samples, rejects, read = [], [], []
     for item in read_samples(source, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
         if isinstance(item, Reject):
             rejects.append({**vars(item), "stage": "generate"})
         else:
+            read.append(item)
             samples.append(
                 {"sample_id": item.sample_id, "messages": item.messages, "source": item.source}
             )
+    copies = cfg.generate.samples_per_prompt
+    check_copy_ids(read, copies)
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out / REJECTS_FILE, rejects)
 
@@ -138,7 +195,9 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     actors = [actor_cls.remote(cfg.target.model_dump(), cfg.extract.batch_tokens) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
     gen = cfg.generate.model_dump()
-    say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected")
+    say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected"
+        + (f"; {copies} answers per prompt (copies 1-{copies - 1} sampled at temperature "
+           f"{cfg.generate.sample_temperature})" if copies > 1 else ""))
     results = ray.get(
         [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length) for i, a in enumerate(actors)]
     )
@@ -150,11 +209,13 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         say(f"[generate] {len(too_long)} prompts rejected: too long for data.max_length={cfg.data.max_length}")
 
     joined = out / CONVERSATIONS_FILE
-    ids = [s["sample_id"] for s in samples]
+    ids = [copy_id(s["sample_id"], c) for s in samples for c in range(copies)]  # a prompt's copies together
     count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
+    per_copy = [sum(res["per_copy"][c]["total"] for res in results) for c in range(copies)]
     write_json_atomic(
         out / "summary.json",
-        {"conversations": count, "rejected": len(rejects) + len(too_long), "parts": results,
+        {"conversations": count, "samples_per_prompt": copies, "conversations_per_copy": per_copy,
+         "rejected": len(rejects) + len(too_long), "parts": results,
          "seconds": round(time.monotonic() - t0, 2), "output": str(joined)},
     )
     say(f"[generate] wrote {count} conversations -> {joined}")
