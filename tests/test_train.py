@@ -68,6 +68,43 @@ def test_the_train_job_reaches_the_workers_typed(ci_tiny_inputs, tmp_path):
         back.train.grad_accum = 0  # still validated on the worker side
 
 
+def test_holdout_by_prompt_keeps_copies_together_and_the_old_split_without_copies():
+    """train.val_share holds a prompt's answers (<id>, <id>#s1, ...: generate.samples_per_prompt) out
+    together; ids without a copy suffix give exactly the per-sample split of earlier runs (resumed
+    checkpoints and their packs depend on it)."""
+    from eagle3_ray.extract.generate_stage import base_id, copy_id
+    from eagle3_ray.train.packing import holdout, holdout_groups
+
+    plain = [f"p{i}" for i in range(37)] + ["a#sx", "a#s", "data-4", "q#s1b", "7"]
+    for share, seed in [(0.0, 0), (0.02, 0), (0.1, 3), (0.25, 7), (0.9, 1)]:
+        old = holdout(len(plain), share, seed)
+        new = holdout_groups([base_id(i) for i in plain], share, seed)
+        assert all(np.array_equal(o, n) for o, n in zip(old, new))
+    # Copies, in a store order that is not the prompt order (shards): no prompt on both sides.
+    rng = np.random.default_rng(0)
+    ids = [copy_id(f"p{i}", c) for i in range(60) for c in range(1 + i % 3)]
+    ids = [ids[j] for j in rng.permutation(len(ids))]
+    keep, held = holdout_groups([base_id(i) for i in ids], 0.2, seed=3)
+    assert sorted(np.concatenate([keep, held]).tolist()) == list(range(len(ids)))
+    kept_prompts, held_prompts = ({base_id(ids[j]) for j in part} for part in (keep, held))
+    assert not kept_prompts & held_prompts and len(held_prompts) == 12  # 20% of the 60 prompts
+    assert np.array_equal(held, holdout_groups([base_id(i) for i in ids], 0.2, seed=3)[1])
+    assert len(holdout_groups([base_id("x"), base_id("x#s1")], 0.5, 0)[1]) == 0  # one prompt: none held out
+
+
+def test_the_store_split_of_ids_without_copies_is_the_per_sample_one(ci_tiny_inputs, tmp_path):
+    from eagle3_ray.train.packing import holdout
+    from eagle3_ray.train.trainer import plan_training
+
+    cfg = load_config(CI_CONFIG, ["train.val_share=0.25"])
+    job, packs, store, val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab",
+                                                 tmp_path)
+    assert not any("#s" in str(i) for i in store.sample_ids)
+    held = sorted(i for p in val_packs for i in p.samples)
+    assert held == holdout(len(store), 0.25, cfg.train.seed)[1].tolist()
+    assert "val_split" not in job.identity  # checkpoints of earlier runs still resume
+
+
 def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
     from eagle3_ray.train.packing import holdout, plan, remap
 

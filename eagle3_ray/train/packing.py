@@ -8,6 +8,7 @@ position is the set of packs already consumed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -70,6 +71,19 @@ def holdout(n: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     k = min(n - 1, max(1, round(share * n)))
     held = np.sort(np.random.default_rng([seed, 0x5EED]).choice(n, size=k, replace=False))
     return np.setdiff1d(np.arange(n), held), held
+
+
+def holdout_groups(groups: Sequence, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``holdout`` over groups of samples: ``groups[i]`` is sample i's group key; a seeded ``share``
+    of the groups (numbered in order of first appearance) is held out whole, so no group is split
+    between training and held-out. All keys distinct: exactly ``holdout(len(groups), share, seed)``."""
+    index: dict = {}
+    of = np.fromiter((index.setdefault(g, len(index)) for g in groups), dtype=np.int64, count=len(groups))
+    if len(index) == len(groups):
+        return holdout(len(groups), share, seed)
+    _, held_groups = holdout(len(index), share, seed)
+    mask = np.isin(of, held_groups)
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
 def remap(packs: list[Pack], indices: np.ndarray) -> list[Pack]:

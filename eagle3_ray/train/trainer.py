@@ -23,6 +23,7 @@ from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.engines.describe import describe_target, target_hf_config
 from eagle3_ray.engines.heads import save_target_heads
+from eagle3_ray.extract.generate_stage import base_id
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
 from eagle3_ray.features import open_store
 from eagle3_ray.features.store import check_compatible
@@ -31,7 +32,7 @@ from eagle3_ray.ray_session import check_shared_dirs
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
-from eagle3_ray.train.packing import holdout, padding_efficiency, plan, remap
+from eagle3_ray.train.packing import holdout_groups, padding_efficiency, plan, remap
 from eagle3_ray.train.step import resolve_attention
 
 VOCAB_FILE = "vocab_map.safetensors"
@@ -67,12 +68,20 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
          "vocab_size": info.vocab_size, "target_fingerprint": info.fingerprint},
     )
     t = cfg.train
-    keep, held = holdout(len(store), t.val_share, t.seed)
+    # A prompt's answers (generate.samples_per_prompt: <id>, <id>#s1, ...) are held out together: a
+    # held-out answer whose twin was trained on would inflate the held-out tau. Without copies (every
+    # base id distinct) this is the plain per-sample split of earlier runs.
+    prompts = [base_id(str(sid)) for sid in store.sample_ids]
+    keep, held = holdout_groups(prompts, t.val_share, t.seed)
+    n_prompts = len(set(prompts))
     if t.val_share > 0 and len(held) == 0:
-        raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(store)}-sample store; "
-                          "give a store of at least 2 samples or set train.val_share=0")
+        raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(store)}-sample store "
+                          f"({n_prompts} prompts; a prompt's answers are held out together); give a store of "
+                          "at least 2 prompts or set train.val_share=0")
     data_fp = data_fingerprint(store.sample_ids, store.lengths)
     job, packs = build_job(cfg, store.lengths, data_fp, vocab, out, info, keep=keep)
+    if t.val_share and n_prompts < len(store):  # the split differs from the per-sample one of earlier code
+        job.identity["val_split"] = "by_prompt"
     val_packs = remap(plan(store.lengths[held], t.batch_tokens, 1, t.seed), held) if len(held) else []
     job.val_packs = len(val_packs)
     if val_packs:
