@@ -52,6 +52,9 @@ STAGE_DEPS = {
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     full = config_to_dict(cfg)
+    if full["generate"]["samples_per_prompt"] == 1:  # one answer per prompt: the hash of runs before copies
+        full["generate"] = {k: v for k, v in full["generate"].items()
+                            if k not in ("samples_per_prompt", "sample_temperature")}
     part = {k: full[k] for k in STAGE_DEPS[stage]}
     part["_data"] = data
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]

@@ -79,3 +79,28 @@ def test_a_stage_marker_left_where_older_runs_wrote_it_still_resumes(tmp_path, c
     assert stages.run("export", lambda d: ran.append(d) or "y") == "y"  # no marker: runs, marks its output dir
     assert ran == [tmp_path / "drafter"] and (tmp_path / "drafter" / DONE).is_file()
     assert StageRunner(cfg, tmp_path, None).run("export", lambda d: pytest.fail("ran again")) == "y"
+
+
+def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
+    """generate.samples_per_prompt=1 (the default) hashes as the config did before the option (an out
+    dir of earlier runs still resumes); more copies, or their temperature then, redo the stages."""
+    import hashlib
+
+    from eagle3_ray.config import config_to_dict, load_config
+    from eagle3_ray.pipeline import STAGE_DEPS, _stage_hash
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    full = config_to_dict(cfg)
+    for k in ("samples_per_prompt", "sample_temperature"):
+        del full["generate"][k]
+    for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
+        old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
+                             .encode()).hexdigest()[:16]
+        assert _stage_hash(cfg, stage, "d") == old
+    before = _stage_hash(cfg, "train", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.sample_temperature=0.9"]), "train", "d") == before
+    two = load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2"])
+    assert _stage_hash(two, "train", "d") != before
+    assert _stage_hash(two, "train", "d") != _stage_hash(
+        load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
+        "train", "d")
