@@ -135,12 +135,15 @@ def test_job_submitted_to_two_nodes_extracts_every_sample_once(two_node_job, ci_
 
 
 def _actor_node_ip(actor, ip_of: dict[str, str]) -> str:
-    """The address of the node an actor ran on: from its node id, or for an ended actor whose record
-    lost the id, from its death record."""
+    """The address of the node Ray placed an actor on: from its node id, or for an ended actor whose
+    record lost the id, from its death record. An actor the job outran (its constructor still running
+    when the dataset finished: ``never_started``) was still placed where Ray leased it a worker
+    process (the record's pid and node address); only one without a worker was never placed."""
     if actor.node_id in ip_of:
         return ip_of[actor.node_id]
     context = (actor.death_cause or {}).get("actor_died_error_context") or {}
-    return context.get("node_ip_address") if not context.get("never_started", True) else "never placed"
+    leased = not context.get("never_started", True) or context.get("pid")
+    return context.get("node_ip_address") if leased and context.get("node_ip_address") else "never placed"
 
 
 def test_engine_actors_spread_and_markers_name_their_node(two_node_job, cluster):
