@@ -95,7 +95,6 @@ class CaptureUDF:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        from eagle3_ray import metrics
         from eagle3_ray.features.record import bf16_to_uint16
 
         t0 = time.monotonic()
@@ -103,9 +102,7 @@ class CaptureUDF:
         captures = self.engine.capture(seqs)
         aux = [bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)) for c in captures]
         last = [bf16_to_uint16(c.last_hidden.to(torch.bfloat16)) for c in captures]
-        tokens = sum(len(q) for q in seqs)
-        _record_stage(self.run, self.stage, len(seqs), tokens, 0)
-        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
+        _record_capture(self.run, self.stage, len(seqs), sum(len(q) for q in seqs), time.monotonic() - t0)
         # Every input column travels on (online mode carries its pack keys through the engine).
         return {**batch, "aux_hidden": _ragged(aux), "last_hidden": _ragged(last)}
 
@@ -147,14 +144,9 @@ class PackCaptureUDF(CaptureUDF):
 
     def _capture(self, seqs: list[list[int]]) -> list:
         """The engine's captures of `seqs`, counted on the dashboard as `CaptureUDF` counts its own."""
-        from eagle3_ray import metrics
-
         t0 = time.monotonic()
         captures = self.engine.capture(seqs)
-        tokens = sum(len(q) for q in seqs)
-        metrics.inc("samples", len(seqs), self.run, self.stage)
-        metrics.inc("tokens", tokens, self.run, self.stage)
-        metrics.set_gauge("extract_tokens_per_s", tokens / max(time.monotonic() - t0, 1e-9), self.run, self.stage)
+        _record_capture(self.run, self.stage, len(seqs), sum(len(q) for q in seqs), time.monotonic() - t0)
         return captures
 
     def _record(self, i: int, capture) -> dict[str, Any]:
@@ -241,6 +233,14 @@ def _record_stage(run: str, stage: str, samples: int, tokens: int, rejects: int)
     metrics.inc("rejects", rejects, run, stage)
 
 
+def _record_capture(run: str, stage: str, samples: int, tokens: int, seconds: float) -> None:
+    """One engine capture call on the dashboard: its samples and tokens, and its rate."""
+    from eagle3_ray import metrics
+
+    _record_stage(run, stage, samples, tokens, 0)
+    metrics.set_gauge("extract_tokens_per_s", tokens / max(seconds, 1e-9), run, stage)
+
+
 class CaptureWriteUDF:
     """Offline extraction: capture, validate and commit one shard per batch inside the engine actor.
 
@@ -284,7 +284,7 @@ class CaptureWriteUDF:
             return self._rows(batch["sample_id"], lengths, ["skipped"] * len(sids), [""] * len(sids))
         t0 = time.monotonic()
         captures = self.engine.capture([a.tolist() for a in ids])
-        self._record_capture(len(ids), int(lengths.sum()), time.monotonic() - t0)
+        _record_capture(self.run, "capture", len(ids), int(lengths.sum()), time.monotonic() - t0)
         status, reasons = [], []
         with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=2**62, node=self.node) as w:
             for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
@@ -321,12 +321,6 @@ class CaptureWriteUDF:
                 "process_at": np.full(n, self.started_at[0], dtype=np.float64),
                 "init_at": np.full(n, self.started_at[1], dtype=np.float64),
                 "imported_at": np.full(n, self.imported_at, dtype=np.float64)}
-
-    def _record_capture(self, samples: int, tokens: int, seconds: float) -> None:
-        from eagle3_ray import metrics
-
-        _record_stage(self.run, "capture", samples, tokens, 0)
-        metrics.set_gauge("extract_tokens_per_s", tokens / max(seconds, 1e-9), self.run, "capture")
 
     def _record_store(self, writer, lengths: np.ndarray, status: list[str]) -> None:
         from eagle3_ray import metrics
