@@ -203,9 +203,27 @@ class TrainConfig(_Section):
     drafter: DrafterShape = Field(default_factory=DrafterShape)
 
 
+class PromptSetEntry(_Section):
+    """One prompt set of ``bench.prompts`` given as a mapping."""
+
+    path: str = Field(description="MT-bench-style or single-turn JSONL/JSON file, or builtin:<name>.")
+    max_prompts: int | None = Field(None, ge=1, description="This set's cap (default: bench.max_prompts).")
+    name: str | None = Field(None, description="The set's name in results and reports (default: the file's stem).")
+
+
+PROMPT_ENTRY_FORM = "a path, builtin:<name>, or a mapping {path: <file>, max_prompts: <n>, name: <set name>}"
+
+
 class BenchConfig(_Section):
-    prompts: str | None = Field(None, description="MT-bench-style JSONL. Default: shipped demo eval prompts.")
-    max_prompts: int | None = Field(None, ge=1)
+    prompts: str | PromptSetEntry | list[str | PromptSetEntry] | None = Field(
+        None, description="One prompt set or a list of them (MT-bench, GSM8K, HumanEval, Spec-Bench, ...); each "
+        "is a path / builtin:<name> or {path, max_prompts, name}. Several sets are reported per set, their "
+        "categories named <set>/<category>. Default: shipped demo eval prompts."
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Prompts per set at most, round-robin over its categories (an entry's own "
+        "max_prompts wins)."
+    )
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     modes: list[Literal["chain", "tree"]] = Field(default_factory=lambda: ["chain", "tree"])
@@ -225,6 +243,35 @@ class BenchConfig(_Section):
     max_length: int = Field(8192, ge=16, description="Longest prompt + new tokens of a StaticTarget generation.")
     num_gpus: float = Field(0.0, ge=0.0)
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompt_entries(cls, value: Any) -> Any:
+        """Each mapping entry checked on its own, so that a mistake reads as one line naming the entry."""
+        if value is None or isinstance(value, str):
+            return value
+        listed = isinstance(value, (list, tuple))
+        entries = list(value) if listed else [value]
+        if listed and not entries:
+            raise ValueError(f"an empty list; give at least one prompt set: {PROMPT_ENTRY_FORM}")
+        checked = []
+        for i, entry in enumerate(entries):
+            where = f"entry {i}" if listed else "the value"
+            if isinstance(entry, (str, PromptSetEntry)):
+                checked.append(entry)
+                continue
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where} {entry!r} is not a prompt set; an entry is {PROMPT_ENTRY_FORM}")
+            unknown = sorted(str(k) for k in entry if k not in PromptSetEntry.model_fields)
+            if unknown:
+                raise ValueError(f"{where} has unknown key(s) {unknown}; an entry takes only "
+                                 f"{list(PromptSetEntry.model_fields)}")
+            try:
+                checked.append(PromptSetEntry.model_validate(entry))
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+                raise ValueError(f"{where} {entry!r}: {problems}") from None
+        return checked if listed else checked[0]
 
 
 class RayConfig(_Section):

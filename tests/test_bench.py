@@ -298,6 +298,9 @@ def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_f
     _check_results(on_disk, ["chain"], untrained=False, lookup=False)
     assert on_disk["prompt_lookup"] is None
     assert on_disk["config"]["prompts"] == str(prompt_file) and on_disk["config"]["bench"]["num_steps"] == 3
+    # One prompt set: per_set names it by its file and holds the overall figures.
+    assert list(on_disk["per_set"]) == ["tiny_bench"]
+    assert on_disk["per_set"]["tiny_bench"]["chain"] == on_disk["modes"]["chain"]
     assert {"device", "target", "drafter"} <= set(on_disk)
     for png in (*PNGS, TRAINING_PLOT):
         assert (out / png).is_file()

@@ -5,6 +5,11 @@ Forms (one JSON object per line, or a JSON array of them):
 - single turn: ``{"prompt"}``, ``{"question"}`` or ``{"instruction"(, "input")}``, with an optional
   ``"category"`` (default: the file's stem) and id field (default: ``<stem>-<line>``).
 
+``bench.prompts`` is one entry or a list of them; an entry is a path (or ``builtin:<name>``) or a
+mapping ``{path, max_prompts, name}`` and each entry is one *set* (named by ``name``, else the file's
+stem). One set keeps its categories as they are in the file; with several, categories are
+namespaced ``<set>/<category>`` so that two sets' "writing" stay apart.
+
 Unlike training data, where bad records are quarantined and reading goes on, a benchmark file must
 be clean: a changed prompt set changes the numbers, so any bad record raises ``DataError``.
 """
@@ -12,16 +17,18 @@ be clean: a changed prompt set changes the numbers, so any bad record raises ``D
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from eagle3_ray.data.sources import resolve_data_path
+from eagle3_ray.data.sources import BUILTIN_PREFIX, builtin_names, resolve_data_path
 from eagle3_ray.errors import DataError
 
 ID_FIELDS = ("question_id", "id", "task_id", "uid")
 SINGLE_TURN_FIELDS = ("prompt", "question", "instruction")
+ENTRY_KEYS = ("path", "max_prompts", "name")  # a mapping entry of bench.prompts
+ENTRY_FORM = "a path, builtin:<name>, or a mapping {path: <file>, max_prompts: <n>, name: <set name>}"
 
 
 @dataclass
@@ -29,20 +36,113 @@ class Prompt:
     id: str
     category: str
     turns: list[str] = field(default_factory=list)  # user turns, answered one after the other
+    set_name: str = ""  # the prompt set (bench.prompts entry) it comes from
 
 
-def load_prompt_sets(path: str | Path, max_prompts: int | None = None) -> dict[str, list[Prompt]]:
-    """Prompts by category, in file order; ``path`` may be ``builtin:<name>``.
+@dataclass(frozen=True)
+class PromptSetSpec:
+    """One entry of ``bench.prompts``, resolved: its name, file and own cap (None: the global one)."""
 
-    ``max_prompts`` caps the total, taken round-robin over categories, so that a small cap still
-    covers every category (8 of MT-bench's 80 = one per category).
+    name: str
+    file: Path
+    max_prompts: int | None = None
+
+
+def load_prompt_sets(source: Any, max_prompts: int | None = None) -> dict[str, list[Prompt]]:
+    """Prompts by category, in file order, sets in the order given.
+
+    ``source``: one entry of ``bench.prompts`` or a list of them (``prompt_set_specs``). Each set is
+    capped at its entry's ``max_prompts``, else at ``max_prompts``, taken round-robin over that set's
+    categories, so that a small cap still covers every category (8 of MT-bench's 80 = one per
+    category). With several sets the categories (and ``Prompt.category``) are ``<set>/<category>``;
+    prompt ids are unique within a set.
     """
-    file = resolve_data_path(str(path))
+    specs = prompt_set_specs(source)
+    loaded = [(spec, _load_set(spec, max_prompts if spec.max_prompts is None else spec.max_prompts))
+              for spec in specs]
+    if len(loaded) == 1:
+        return loaded[0][1]
+    out: dict[str, list[Prompt]] = {}
+    for spec, sets in loaded:
+        for cat, prompts in sets.items():
+            key = f"{spec.name}/{cat}"
+            out[key] = [replace(p, category=key) for p in prompts]
+    return out
+
+
+def categories_by_set(sets: dict[str, list[Prompt]]) -> dict[str, str]:
+    """``{category: set name}`` of loaded prompt sets (the key of ``results.json``'s ``per_set``)."""
+    return {cat: prompts[0].set_name for cat, prompts in sets.items() if prompts}
+
+
+def prompt_set_specs(source: Any) -> list[PromptSetSpec]:
+    """The sets ``source`` names: a path / ``builtin:<name>`` / mapping entry, or a list of them.
+
+    ``DataError`` (saying what to change) on an entry of another form, an unknown key, a missing
+    file, or two sets of the same name."""
+    listed = isinstance(source, (list, tuple))
+    entries = list(source) if listed else [source]
+    if not entries:
+        raise DataError(f"bench.prompts is an empty list; give at least one entry: {ENTRY_FORM}")
+    specs: list[PromptSetSpec] = []
+    first: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        where = f"bench.prompts[{i}]" if listed else "bench.prompts"
+        spec = _spec(entry, where)
+        if spec.name in first:
+            raise DataError(
+                f"{where}: a second prompt set named {spec.name!r} (first: {first[spec.name]}); set names must "
+                f"be unique: give one of them another name, e.g. {{path: {spec.file.name}, name: "
+                f"{spec.name}_2}}, or drop the repeated entry"
+            )
+        first[spec.name] = where
+        specs.append(spec)
+    return specs
+
+
+def _spec(entry: Any, where: str) -> PromptSetSpec:
+    if hasattr(entry, "model_dump"):  # a validated config entry (config.PromptSetEntry)
+        entry = entry.model_dump()
+    if isinstance(entry, (str, Path)):
+        entry = {"path": str(entry)}
+    if not isinstance(entry, dict):
+        raise DataError(f"{where}: {entry!r} is not a prompt set; an entry is {ENTRY_FORM}")
+    unknown = sorted(str(k) for k in entry if k not in ENTRY_KEYS)
+    if unknown:
+        raise DataError(f"{where}: unknown key(s) {unknown} in {entry!r}; an entry takes only {list(ENTRY_KEYS)}")
+    path, cap, name = entry.get("path"), entry.get("max_prompts"), entry.get("name")
+    if not isinstance(path, str) or not path.strip():
+        raise DataError(f"{where}: 'path' must be a prompt file or builtin:<name>, got {path!r}")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise DataError(f"{where}: 'max_prompts' must be an integer >= 1 (or left out), got {cap!r}")
+    file = _prompt_file(path, where)
+    name = file.stem if name is None else name
+    if not isinstance(name, str) or not name.strip() or "/" in name:
+        raise DataError(f"{where}: 'name' must be a non-empty string without '/', got {name!r}")
+    return PromptSetSpec(name, file, cap)
+
+
+def _prompt_file(path: str, where: str) -> Path:
+    if not path.startswith(BUILTIN_PREFIX):
+        p = Path(path).expanduser()
+        if not p.exists() or p.is_dir():
+            what = "does not exist" if not p.exists() else "is a directory"
+            raise DataError(
+                f"{where}: prompt file {p} {what}; pass a JSONL/JSON file of prompts or builtin:<name> "
+                f"(one of {[BUILTIN_PREFIX + n for n in builtin_names()]})"
+            )
+    return resolve_data_path(path)  # an unknown builtin name raises here
+
+
+def _load_set(spec: PromptSetSpec, max_prompts: int | None) -> dict[str, list[Prompt]]:
+    """One file's prompts by category (categories as in the file), capped round-robin."""
+    file = spec.file
     sets: dict[str, list[Prompt]] = {}
     seen: dict[str, str] = {}
     for pos, raw in _records(file):
         where = f"{file}:{pos}"
         prompt = _to_prompt(raw, file.stem, pos, where)
+        prompt.set_name = spec.name
         if prompt.id in seen:
             raise DataError(
                 f"{where}: duplicate prompt id {prompt.id!r} (first at {seen[prompt.id]}); ids must be unique"

@@ -34,6 +34,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
         _summary_section(results),
         _parts_section(results),
         _divergence_section(results),
+        _set_section(results),
         _category_section(results),
         _acceptance_section(results),
         _untrained_section(results),
@@ -134,7 +135,17 @@ def headline(results: dict[str, Any]) -> str:
                      + ("" if slower else "**"))
     if not parts:
         return "No speed figure (nothing was decoded)."
-    return ". ".join(parts) + " (tokens/s over plain decoding of the same turns)."
+    return ". ".join(parts) + " (tokens/s over plain decoding of the same turns)." + _first_set_tau(results)
+
+
+def _first_set_tau(results: dict[str, Any]) -> str:
+    """With several prompt sets, the first set's tau per mode (MT-bench's when it is listed first)."""
+    per_set = results.get("per_set") or {}
+    if len(per_set) < 2:
+        return ""
+    name, kinds = next(iter(per_set.items()))
+    taus = [f"{k} {_num((kinds.get(k) or {}).get('tau'))}" for k in results.get("tau", {})]
+    return f" **tau on {name}** (first of {len(per_set)} prompt sets): " + ", ".join(taus) + "."
 
 
 def _header(results: dict[str, Any]) -> str:
@@ -147,7 +158,7 @@ def _header(results: dict[str, Any]) -> str:
         "",
         f"- target: `{results.get('target')}` on `{results.get('device')}`",
         f"- drafter: `{results.get('drafter')}`",
-        f"- prompts: `{cfg.get('prompts', '?')}`, {results.get('num_prompts', '?')} prompts, "
+        f"- prompts: {_sources(cfg.get('prompts', '?'))}, {results.get('num_prompts', '?')} prompts, "
         f"{results.get('num_turns', '?')} turns",
     ]
     if b:
@@ -162,6 +173,17 @@ def _header(results: dict[str, Any]) -> str:
         "(see docs/bench.md).",
     ]
     return "\n".join(lines)
+
+
+def _sources(prompts: Any) -> str:
+    """``bench.prompts`` as given: one entry or a list (mappings as their path, name and cap)."""
+    def one(entry: Any) -> str:
+        if not isinstance(entry, dict):
+            return f"`{entry}`"
+        extra = [f"{k} {entry[k]}" for k in ("name", "max_prompts") if entry.get(k) is not None]
+        return f"`{entry.get('path')}`" + (f" ({', '.join(extra)})" if extra else "")
+
+    return ", ".join(one(e) for e in prompts) if isinstance(prompts, list) else one(prompts)
 
 
 def _summary_section(results: dict[str, Any]) -> str:
@@ -221,20 +243,35 @@ def _divergence_section(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _category_section(results: dict[str, Any]) -> str:
-    per_cat = results.get("per_category") or {}
-    if not per_cat:
-        return ""
-    kinds = _kinds(results)
-    header = ["category"] + [f"{k} {col}" for k in kinds for col in ("tau", "speedup")]
+def _kind_table(first: str, groups: dict[str, dict[str, Any]], kinds: list[str], turns: bool = False) -> str:
+    """One row per group (prompt set, category): turns, then tau and speedup of each kind."""
+    header = [first] + (["turns"] if turns else []) + [f"{k} {col}" for k in kinds for col in ("tau", "speedup")]
     rows = []
-    for cat, by_kind in per_cat.items():
-        row = [cat]
+    for group, by_kind in groups.items():
+        row = [group] + ([str((by_kind.get("baseline") or {}).get("turns", "–"))] if turns else [])
         for k in kinds:
             e = by_kind.get(k) or {}
             row += [_num(e.get("tau")), _num(e.get("speedup"), "{:.2f}x")]
         rows.append(row)
-    return f"## Per category\n\n{_table(header, rows)}\n\n![tau by category]({TAU_PLOT})"
+    return _table(header, rows)
+
+
+def _set_section(results: dict[str, Any]) -> str:
+    """Per prompt set (only with several: one set's row would repeat the summary)."""
+    per_set = results.get("per_set") or {}
+    if len(per_set) < 2:
+        return ""
+    intro = ("Each prompt set's turns pooled as the summary pools all of them; speedup over plain decoding "
+             "of that set's turns.")
+    return f"## Per set\n\n{intro}\n\n{_kind_table('set', per_set, _kinds(results), turns=True)}"
+
+
+def _category_section(results: dict[str, Any]) -> str:
+    per_cat = results.get("per_category") or {}
+    if not per_cat:
+        return ""
+    table = _kind_table("category", per_cat, _kinds(results))
+    return f"## Per category\n\n{table}\n\n![tau by category]({TAU_PLOT})"
 
 
 def _acceptance_section(results: dict[str, Any]) -> str:

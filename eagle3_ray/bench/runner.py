@@ -25,7 +25,7 @@ import torch
 
 from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.audit import audit_turn, bound_text
-from eagle3_ray.bench.prompts import Prompt, load_prompt_sets
+from eagle3_ray.bench.prompts import Prompt, categories_by_set, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
 from eagle3_ray.progress import say
@@ -147,7 +147,8 @@ class BenchActor:
         first = next(p for prompts in prompt_sets.values() for p in prompts)
         self.warmup(first, bench)
         records = {cat: self.run_category(prompts, bench) for cat, prompts in prompt_sets.items()}
-        return results_body(records, bench, self.describe(), sglang_plain_tokens_per_s)
+        return results_body(records, bench, self.describe(), sglang_plain_tokens_per_s,
+                            categories_by_set(prompt_sets))
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         from eagle3_ray.data.chat import render_generation_prompt
@@ -260,9 +261,11 @@ def results_body(
     bench: BenchConfig,
     info: dict[str, Any],
     sglang_plain_tokens_per_s: float | None = None,
+    set_of: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """results.json's body: ``summarize`` + where it ran + the ``summary`` keys + the audit list."""
-    results = {**summarize(per_category, bench.modes), **info}
+    """results.json's body: ``summarize`` + where it ran + the ``summary`` keys + the audit list.
+    ``set_of``: ``{category: prompt set}`` (``prompts.categories_by_set``) for ``per_set``."""
+    results = {**summarize(per_category, bench.modes, set_of), **info}
     results["divergences"] = [
         {"category": cat, "kind": kind, "prompt_id": r["prompt_id"], "turn": r["turn"], **(r["divergence"] or {})}
         for cat, kinds in per_category.items() for kind, recs in kinds.items() for r in recs if not r["identical"]
@@ -299,21 +302,34 @@ def summary_keys(results: dict[str, Any], greedy: bool, sglang_plain_tokens_per_
     }
 
 
-def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: list[str]) -> dict[str, Any]:
-    """results.json body from raw records ``{category: {kind: [turn records]}}``.
-
-    Speedups divide by the baseline measured on the same turns (per category, and over all).
-    """
-    categories: dict[str, dict[str, Any]] = {}
-    for cat, kinds in per_category.items():
-        base = aggregate(kinds["baseline"])["tokens_per_s"]
-        categories[cat] = {kind: _with_speedup(aggregate(recs), base) for kind, recs in kinds.items()}
+def _pooled(per_category: dict[str, dict[str, list[dict[str, Any]]]], cats: list[str]) -> dict[str, dict[str, Any]]:
+    """``{kind: aggregate with speedup}`` over the turns of ``cats`` pooled, the speedup over the
+    baseline of the same turns: one category, a prompt set, or everything."""
     pooled: dict[str, list[dict[str, Any]]] = {}
-    for kinds in per_category.values():
-        for kind, recs in kinds.items():
+    for cat in cats:
+        for kind, recs in per_category[cat].items():
             pooled.setdefault(kind, []).extend(recs)
     base = aggregate(pooled["baseline"])["tokens_per_s"]
-    overall = {kind: _with_speedup(aggregate(recs), base) for kind, recs in pooled.items()}
+    return {kind: _with_speedup(aggregate(recs), base) for kind, recs in pooled.items()}
+
+
+SINGLE_SET = "all"  # per_set's key when no category -> set mapping is given
+
+
+def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: list[str],
+              set_of: dict[str, str] | None = None) -> dict[str, Any]:
+    """results.json body from raw records ``{category: {kind: [turn records]}}``.
+
+    Speedups divide by the baseline measured on the same turns (per category, per prompt set, and
+    over all). ``set_of``: ``{category: set name}``; ``per_set`` pools each set's categories the
+    same way the overall figures pool all of them (one set ``"all"`` when not given).
+    """
+    categories = {cat: _pooled(per_category, [cat]) for cat in per_category}
+    members: dict[str, list[str]] = {}
+    for cat in per_category:
+        members.setdefault((set_of or {}).get(cat) or SINGLE_SET, []).append(cat)
+    per_set = {name: _pooled(per_category, cats) for name, cats in members.items()}
+    overall = _pooled(per_category, list(per_category))
     return {
         "tau": {m: overall[m]["tau"] for m in modes},
         "tokens_per_s": {m: overall[m]["tokens_per_s"] for m in modes},
@@ -323,9 +339,10 @@ def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: l
         "baseline": overall["baseline"],
         "prompt_lookup": overall.get("prompt_lookup"),
         "untrained": overall.get("untrained"),
+        "per_set": per_set,
         "per_category": categories,
         "num_prompts": len({(c, r["prompt_id"]) for c, k in per_category.items() for r in k["baseline"]}),
-        "num_turns": len(pooled["baseline"]),
+        "num_turns": overall["baseline"]["turns"],
     }
 
 
@@ -344,7 +361,8 @@ def run_bench(
 ) -> dict[str, Any]:
     """Benchmark ``drafter`` (an exported dir) on the target of ``cfg``; writes results.json + report.
 
-    Prompts: ``prompts``, else ``cfg.bench.prompts``, else the shipped ``builtin:demo_eval``.
+    Prompts: ``prompts``, else ``cfg.bench.prompts`` (one set or several: ``prompts.load_prompt_sets``),
+    else the shipped ``builtin:demo_eval``.
     ``train_metrics``: the training ``metrics.jsonl``, summarised and plotted in the report.
     ``sglang_plain_tokens_per_s``: SGLang's plain decoding on the same turns, measured elsewhere;
     the summary then states the modes' ratio to it.
@@ -353,6 +371,8 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     source = prompts or cfg.bench.prompts or DEFAULT_PROMPTS
     sets = load_prompt_sets(source, cfg.bench.max_prompts)
+    if not prompts and cfg.bench.prompts:
+        source = config_to_dict(cfg)["bench"]["prompts"]  # entries as plain JSON
     drafter_dir = str(Path(drafter).resolve())
     if cfg.target.backend == "sglang":
         results = _sglang_results(cfg, drafter_dir, sets)
@@ -377,7 +397,8 @@ def _hf_results(
         say(f"[bench] {len(done)} categories already measured, {len(missing)} to run: {missing}")
         done.update(_measure(cfg, drafter_dir, sets, missing, compare_untrained, partial_dir, keys))
     info = next(iter(done.values()))["info"]
-    return results_body({cat: done[cat]["records"] for cat in sets}, cfg.bench, info, sglang_plain_tokens_per_s)
+    return results_body({cat: done[cat]["records"] for cat in sets}, cfg.bench, info, sglang_plain_tokens_per_s,
+                        categories_by_set(sets))
 
 
 def _measure(
