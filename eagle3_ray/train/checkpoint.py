@@ -132,6 +132,27 @@ def latest_checkpoint(train_out: Path, complete_only: bool = False) -> Path | No
     return max(cands, key=lambda p: read_train_state(p).get("step", -1))
 
 
+def checkpoint_to_resume(offered: str | Path | None, storage: str | Path | None) -> Path | None:
+    """The checkpoint a (re)started worker group loads: the newer, by train_state step, of the one Ray
+    Train offers (``ray.train.get_checkpoint()``'s path; None for none) and the newest complete one on
+    ``storage`` (Ray Train's storage path; None or a missing directory for none). A tie goes to Ray
+    Train's; None when neither has one.
+
+    Ray Train registers a checkpoint only when its controller next polls, after ``ray.train.report``
+    has returned from the upload. A worker killed in between leaves a whole checkpoint on storage that
+    the restarted group is not offered (it would restart from the one before, or from step 0); a job
+    killed in between leaves the same for its rerun.
+    """
+    offered = Path(offered) if offered is not None else None
+    on_storage = latest_checkpoint(Path(storage), complete_only=True) if storage is not None else None
+    if on_storage is None:
+        return offered
+    if offered is None:
+        return on_storage
+    newer = read_train_state(on_storage).get("step", -1) > read_train_state(offered).get("step", -1)
+    return on_storage if newer else offered
+
+
 def incomplete_reason(ckpt: Path) -> str | None:
     """Why ``ckpt`` cannot be resumed from (None = every file is there and whole).
 

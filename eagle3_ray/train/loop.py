@@ -48,7 +48,7 @@ class TrainJob:
     identity: dict[str, Any] = field(default_factory=dict)  # must match to resume a checkpoint
     use_gpu: bool = False
     run: str = ""  # config `name`: the `run` tag of the dashboard metrics
-    resume_from: str | None = None  # newest checkpoint on storage when the driver started (see Trainer.restore)
+    storage: str | None = None  # Ray Train's storage: searched for a newer checkpoint at every restore (Trainer.restore)
     val_packs: int = 0  # held-out packs in all (train.val_share), 0 = no evaluation
     val_datasets: list[str] = field(default_factory=list)  # "val_<rank>" of the ranks with held-out packs
 
@@ -95,6 +95,20 @@ def _vote_group():
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return None
     return torch.distributed.new_group(backend="gloo")
+
+
+def _broadcast_path(path: Path | None, group) -> Path | None:
+    """Rank 0's ``path`` on every rank (the host group; as it is without one)."""
+    if group is None:
+        return path
+    data = torch.tensor(list(str(path).encode()) if path is not None else [], dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=0, group=group)
+    if torch.distributed.get_rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    if data.numel():
+        torch.distributed.broadcast(data, src=0, group=group)
+    return Path(bytes(data.tolist()).decode()) if data.numel() else None
 
 
 def _all_have_data(has: bool, group) -> bool:
@@ -184,30 +198,39 @@ class Trainer:
         )
         # Rows reach the step already laid out by the prefetch thread (row_to_batch): no row_tokens here.
         self.train_step = TrainStep(self.engine, lm_head, StepConfig.from_train(t, self.attention))
+        self.vote_group = _vote_group()  # before restore: rank 0 broadcasts its choice of checkpoint on it
         self.global_step, self.consumed = self.restore()
-        self.vote_group = _vote_group()
         name = f"val_{self.rank}"
         if job.val_packs and name in job.val_datasets:
             self.val_shard = ray.train.get_dataset_shard(name)
         return self
 
     def restore(self) -> tuple[int, set[str]]:
-        """(optimizer step, consumed pack keys) of the checkpoint to resume from; (0, {}) for none."""
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None and self.job.resume_from:
-            # Ray Train registers a checkpoint only after its upload; a job killed in between leaves it on
-            # storage but not in Ray Train's snapshot, and the rerun would silently start from step 0.
-            ckpt = ray.train.Checkpoint.from_directory(self.job.resume_from)
-        if ckpt is None:
+        """(optimizer step, consumed pack keys) of the checkpoint to resume from; (0, {}) for none.
+
+        The newer of Ray Train's checkpoint and the newest complete one on storage
+        (`ck.checkpoint_to_resume`): Ray Train registers a checkpoint only after its upload, so a worker
+        or job killed in between restarts without being offered it. Rank 0 chooses and broadcasts the
+        choice, so that every rank loads the same checkpoint.
+        """
+        offered = ray.train.get_checkpoint()
+        path = None
+        if self.rank == 0:
+            path = ck.checkpoint_to_resume(offered.path if offered is not None else None, self.job.storage)
+        d = _broadcast_path(path, self.vote_group)
+        if d is None:
             return 0, set()
-        with ckpt.as_directory() as d:
-            d = Path(d)
-            state = ck.read_train_state(d)
-            ck.check_identity(state.get("identity", {}), self.job.identity, d)
-            self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
-            consumed = ck.consumed_packs(d)
+        state = ck.read_train_state(d)
+        ck.check_identity(state.get("identity", {}), self.job.identity, d)
+        self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
+        consumed = ck.consumed_packs(d)
         self.train_tokens = state.get("train_tokens")  # absent in checkpoints older than the count
-        say(f"[train] resumed at step {state['step']} ({len(consumed)} packs already consumed"
+        if offered is not None and Path(offered.path) == d:
+            source = "from Ray Train's checkpoint ("
+        else:
+            was = f"step {ck.read_train_state(Path(offered.path))['step']}" if offered is not None else "none"
+            source = f"from storage, {d.name} (Ray Train offered {was}; "
+        say(f"[train] resumed at step {state['step']} {source}{len(consumed)} packs already consumed"
             + (f", {self.train_tokens:,} training tokens)" if self.train_tokens is not None else ")"))
         return int(state["step"]), consumed
 

@@ -174,7 +174,9 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
         check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
         say(f"[train] resuming from {previous}")
-        job.resume_from = str(previous)
+    # Every (re)start of the workers resumes from the newer of Ray Train's checkpoint and the newest
+    # complete one here (Trainer.restore): one Ray Train has not registered yet is still taken.
+    job.storage = str(storage)
     # Every worker writes its checkpoint shards to storage and reads the heads under out: refuse a
     # directory that a node of the cluster does not see, before any worker starts.
     check_shared_dirs({storage: "ray.storage_path (Ray Train's checkpoints)", out: "--out"})
