@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -60,6 +61,17 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def soft(errors: list, what: str, fn, default=None):
+    """fn(), or ``default`` with the traceback kept in ``errors``: one analysis failing (a trace
+    format this script did not expect) leaves the others and the timings standing."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - reported in the JSON and the log
+        errors.append({"what": what, "traceback": traceback.format_exc()})
+        log(f"{what} FAILED:\n{errors[-1]['traceback']}")
+        return default
 
 
 def is_wait(name: str) -> bool:
@@ -122,7 +134,9 @@ class Profiled:
                 raw = path.read_bytes()
             if self.keep is not None:
                 (self.keep / f"trace_{self.name}.json.gz").write_bytes(gzip.compress(raw))
-            self.events = [e for e in json.loads(raw)["traceEvents"] if e.get("ph") == "X"]
+            self.events = [e for e in json.loads(raw)["traceEvents"] if e.get("ph") == "X" and "ts" in e]
+            for e in self.events:  # microseconds; some writers quote them
+                e["ts"], e["dur"] = float(e["ts"]), float(e.get("dur", 0))
         return False
 
     def _sync(self):
@@ -287,7 +301,9 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                  "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "target": a.target or "random",
                  "dtype": str(next(model.parameters()).dtype), "attn_implementation": model.config._attn_implementation,
                  "layers": text.num_hidden_layers, "prompt_tokens": P, "new_tokens": N,
-                 "max_length": a.max_length, "cuda_graphs": static.cuda_graphs, "spans": static.spans}
+                 "max_length": a.max_length, "cuda_graphs": static.cuda_graphs, "spans": static.spans,
+                 "errors": []}
+    errors = res["errors"]
     # Decode forwards: width 1 at past = P .. P+N-2, i.e. n = past + 1 committed+new tokens.
     span_steps = Counter(static.span(n) for n in range(P + 1, P + N))
     res["decode_spans"] = dict(span_steps)
@@ -354,7 +370,7 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         logits = static._graphs[1, span][2][0]
         past = int(buf["past"])
         times = []
-        for i in range(a.replays + 10):
+        for _ in range(a.replays + 10):
             t = time.perf_counter()
             buf["past"].fill_(past)
             g.replay()
@@ -386,8 +402,10 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     with Profiled(dev, f"decode_{S + 1}", keep) as long:
         gen(S + 1)
     res["c"] = {"host_ms_per_step": decode_ms - res["b"]["weighted_ms_per_replay"] if cuda else None,
-                "profiled_steps": S, "per_token": per_token_counts(long, short, S),
-                "between_replays": replay_gaps(long) if cuda else None}
+                "profiled_steps": S,
+                "per_token": soft(errors, "c) per-token counts", lambda: per_token_counts(long, short, S),
+                                  {"runtime_calls": {}, "by_kind": {}, "aten_ops": float("nan"), "top_aten_ops": []}),
+                "between_replays": soft(errors, "c) replay gaps", lambda: replay_gaps(long)) if cuda else None}
     pt = res["c"]["per_token"]
     log(f"c) per token: {pt['aten_ops']:.1f} aten ops; runtime calls " +
         (", ".join(f"{k} {v['count']:.1f}" for k, v in pt["by_kind"].items()) if cuda else "n/a (CPU)"))
@@ -414,9 +432,9 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                 run()
         row = {"span": main_span, "wall_ms": 1000 * statistics.median(total),
                "host_issue_ms": 1000 * statistics.median(issue)}
-        row.update(kernel_summary(p, a.eager_calls) if cuda else cpu_op_summary(p.prof, a.eager_calls))
-        if cuda:
-            row.update(cpu_ops=len(p.cat("cpu_op")) / a.eager_calls)
+        summary = (lambda: kernel_summary(p, a.eager_calls)) if cuda else (lambda: cpu_op_summary(p.prof, a.eager_calls))
+        row.update(soft(errors, f"eager w={w} summary", summary, {}))
+        row.update(cpu_ops=len(p.cat("cpu_op")) / a.eager_calls)
         return row
 
     res["d"] = {"width1": eager(1)}
@@ -428,7 +446,7 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             row["replay_minus_kernels_us_per_kernel"] = (1000 * replay["ms_per_replay"] - row["kernel_gpu_us"] -
                                                          row["memcpy_memset_gpu_us"]) / (row["kernels"] + row["memcpy_memset"])
     res["elapsed_seconds"] = time.perf_counter() - T0
-    if cuda:
+    if cuda and "kernels" in res["d"]["width1"]:
         b1 = res["b"]["weighted_ms_per_replay"]
         d1 = res["d"]["width1"]
         res["summary"] = {
@@ -442,8 +460,8 @@ def measure(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         }
     write_json(path, res)
     print_table(res, cuda)
-    log(f"wrote {path}")
-    return 0
+    log(f"wrote {path}" + (f"; {len(errors)} analyses FAILED (see 'errors')" if errors else ""))
+    return 1 if errors else 0
 
 
 def print_table(res: dict, cuda: bool) -> None:
@@ -467,7 +485,8 @@ def print_table(res: dict, cuda: bool) -> None:
     for kind, v in pt["by_kind"].items():
         rows.append((f"c) {kind} per token", f"{v['count']:.1f} ({v['host_us']:.0f} us host)" if cuda else na))
     rows.append(("c) aten ops per token (host)", f"{pt['aten_ops']:.1f}"))
-    rows.append(("c) GPU ops outside the graph per token", f"{pt['gpu_ops_outside_graph']:.1f}" if cuda else na))
+    outside = pt.get("gpu_ops_outside_graph")
+    rows.append(("c) GPU ops outside the graph per token", na if not cuda else "-" if outside is None else f"{outside:.1f}"))
     gaps = c["between_replays"]
     if gaps:
         for k in ("period_us", "launch_call_us", "host_gap_us", "sync_wait_us", "host_work_us",
@@ -477,19 +496,19 @@ def print_table(res: dict, cuda: bool) -> None:
         rows.append(("c) between replays", na if not cuda else "no graph launches seen"))
     for label, row, replay in (("d) w=1", res["d"]["width1"], None),
                                ("e) w=4", res["e"]["width4"]["eager"], res["e"]["width4"]["replay"])):
-        if replay is not None or (cuda and label.startswith("e")):
+        if label.startswith("e"):
             rows.append((f"{label} bare replay span {res['e']['width4']['span']}",
                          na if replay is None else f"{replay['ms_per_replay']:.3f} ms"))
         rows.append((f"{label} eager forward wall / host issue",
                      f"{row['wall_ms']:.3f} / {row['host_issue_ms']:.3f} ms"))
-        if cuda:
+        if cuda and "kernels" in row:
             rows.append((f"{label} kernels per forward (+ memcpy/memset)",
                          f"{row['kernels']:.0f} (+{row['memcpy_memset']:.0f}), {row['kernel_gpu_us']:.0f} us GPU"))
             if row.get("replay_minus_kernels_us_per_kernel") is not None:
                 rows.append((f"{label} replay - kernel time, per kernel", f"{row['replay_minus_kernels_us_per_kernel']:.2f} us"))
-        else:
+        elif not cuda:
             rows.append((f"{label} kernels per forward", na))
-            rows.append((f"{label} aten ops per forward", f"{row['aten_ops']:.0f}"))
+            rows.append((f"{label} aten ops per forward", f"{row.get('aten_ops', float('nan')):.0f}"))
     width = max(len(r[0]) for r in rows)
     print()
     for k, v in rows:
