@@ -36,8 +36,9 @@ e) b and d for width 4 (a chain(3) verify).
 On CPU the CUDA-only parts print "n/a (CPU)"; a and d run with host times (d: aten ops by self
 CPU time).
 
-Runtime on an H200: ~10-20 s of measurement after the load (a GGUF is converted to safetensors on
-first use: + 15-20 s on a fresh machine); well under 60 s. ``--trace`` keeps the profiler traces
+Expected runtime on an H200 (an estimate from the work done, not yet timed there): ~10-20 s of
+measurement after the load (a GGUF is converted to safetensors on
+first use: + 15-20 s on a fresh machine), under 60 s in all. ``--trace`` keeps the profiler traces
 (gzipped chrome traces) in ``<out>``.
 """
 
