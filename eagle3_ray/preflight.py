@@ -282,6 +282,9 @@ def check_prompts(cfg: PipelineConfig, prompts: str | None) -> None:
     if prompts:
         path, what = prompts, f"--prompts {prompts}"
     elif cfg.bench.prompts:
+        if not isinstance(cfg.bench.prompts, str):  # several sets or a mapping: the reader checks each entry
+            load_prompt_sets(cfg.bench.prompts, cfg.bench.max_prompts)
+            return
         path, what = cfg.bench.prompts, f"bench.prompts={cfg.bench.prompts}"
     else:
         path, what = DEFAULT_PROMPTS, f"the default prompts {DEFAULT_PROMPTS}"

@@ -287,3 +287,15 @@ def test_report_has_a_per_set_table_and_names_the_first_sets_tau(tmp_path):
     assert report.name == REPORT_NAME
     text = report.read_text()
     assert "## Per set" not in text and "tau on" not in text and "- prompts: `mt.jsonl`," in text
+
+
+def test_preflight_checks_every_set_of_a_list(sets_dir):
+    """The run's preflight reads several sets (it used to pass the list to a one-file check and crash)."""
+    from eagle3_ray.preflight import check_prompts
+
+    ok = load_config(None, [f"bench.prompts=[{sets_dir / 'mt_bench.jsonl'}, {{path: {sets_dir / 'gsm8k_test.jsonl'}, "
+                            "max_prompts: 1}]"])
+    check_prompts(ok, None)
+    missing = load_config(None, [f"bench.prompts=[{sets_dir / 'mt_bench.jsonl'}, {sets_dir / 'nope.jsonl'}]"])
+    with pytest.raises(DataError, match="nope.jsonl"):
+        check_prompts(missing, None)
