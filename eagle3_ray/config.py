@@ -232,6 +232,11 @@ class BenchConfig(_Section):
     depth: int = Field(5, ge=1, description="Tree depth.")
     total_tokens: int = Field(16, ge=1, description="Tree draft tokens verified per step.")
     prompt_lookup: bool = Field(True, description="Also run prompt-lookup decoding as a peer.")
+    untrained: bool = Field(
+        True, description="`eagle3-ray run`'s bench stage also decodes chain mode with an untrained drafter (tau 1: "
+        "what the trained drafter buys, and the verify forward's own bf16 divergences); one more full pass over "
+        "the turns. `eagle3-ray bench` runs it only when asked (run_bench(compare_untrained=True))."
+    )
     cuda_graphs: bool = Field(
         True, description="On CUDA, decode (baseline included) through a StaticTarget: preallocated KV cache "
         "and CUDA graphs per verify width (docs/spec.md). Off CUDA it has no effect."

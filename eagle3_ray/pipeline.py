@@ -163,7 +163,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     results = stages.run(
         "bench",
         lambda d: _bench_summary(
-            run_bench(cfg, drafter=str(drafter), prompts=None, out=d, compare_untrained=True,
+            run_bench(cfg, drafter=str(drafter), prompts=None, out=d, compare_untrained=cfg.bench.untrained,
                       train_metrics=str(metrics) if metrics.is_file() else None)
         ),
     )
