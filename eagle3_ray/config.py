@@ -99,9 +99,9 @@ class GenerateConfig(_Section):
     samples_per_prompt: int = Field(
         1, ge=1, description="Answers per prompt-only sample. Copy 0 is answered with `temperature` (greedy by "
         "default) under the sample's own id, as with 1; copies 1..n-1 are sampled at `sample_temperature` with "
-        "`top_p` and seed `seed + copy`, under the id `<id>#s<copy>`: more trajectories of the same target per "
-        "prompt, so more training tokens from the same prompts (train.val_share holds a prompt's copies out "
-        "together). Generation time grows about n-fold."
+        "`top_p` and seeds of their own (copy c's calls from `seed + c * 1000003`), under the id `<id>#s<copy>`: "
+        "more trajectories of the same target per prompt, so more training tokens from the same prompts "
+        "(train.val_share holds a prompt's copies out together). Generation time grows about n-fold."
     )
     sample_temperature: float = Field(
         0.7, gt=0.0, description="Temperature of the sampled copies 1..n-1 (generate.samples_per_prompt > 1)."

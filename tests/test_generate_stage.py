@@ -17,6 +17,7 @@ from eagle3_ray.data.sources import Sample
 from eagle3_ray.data.distill import self_distill
 from eagle3_ray.errors import DataError
 from eagle3_ray.extract.generate_stage import (
+    COPY_SEED_STRIDE,
     DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order,
 )
 
@@ -192,11 +193,13 @@ def test_sampled_copies_follow_copy_zero_in_generation_order_and_resume(actor, t
     assert written == ["answered", *order, *[f"{i}#s1" for i in order], *[f"{i}#s2" for i in order]]
     assert [r["sample_id"] for r in summary["rejected"]] == ["huge"]  # once, not per copy
     assert [c["total"] for c in summary["per_copy"]] == [5, 4, 4] and summary["generated"] == 12
-    # Copy 0 at generate.temperature (greedy), copy c at sample_temperature from seed + c (+1 a call,
-    # as self_distill counts): copy 0 makes 4 calls (batches of 2 with "answered" first, the two-turn
-    # sample's second turn), each sampled copy 3 (no "answered").
+    # Copy 0 at generate.temperature (greedy), copy c at sample_temperature from copy_seed(seed, c) (+1 a
+    # call, as self_distill counts): copy 0 makes 4 calls (batches of 2 with "answered" first, the
+    # two-turn sample's second turn), each sampled copy 3 (no "answered"). No seed is used twice.
     assert [t for t, _, _ in rec.sampling] == [0.0] * 4 + [0.7] * 6
-    assert [seed for _, _, seed in rec.sampling] == [5, 6, 7, 8, 6, 7, 8, 7, 8, 9]
+    s = COPY_SEED_STRIDE
+    assert [seed for _, _, seed in rec.sampling] == [5, 6, 7, 8, 5 + s, 6 + s, 7 + s, 5 + 2 * s, 6 + 2 * s, 7 + 2 * s]
+    assert len({seed for _, _, seed in rec.sampling}) == len(rec.sampling)
     assert {p for _, p, _ in rec.sampling} == {0.9}
     # A rerun answers nothing again: every copy resumes by id from the one part file.
     again = actor.run([vars(s) for s in _samples()], str(part), gen, max_length=256)

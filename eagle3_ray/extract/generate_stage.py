@@ -86,7 +86,7 @@ class DistillActor:
                 temperature=temperature,
                 top_p=gen["top_p"],
                 batch_size=gen["batch_size"],
-                seed=gen["seed"] + copy,
+                seed=copy_seed(gen["seed"], copy),
             )
             per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
         out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}
@@ -95,6 +95,17 @@ class DistillActor:
 
     def close(self) -> None:
         self.engine.close()
+
+
+# Copy c's engine calls are seeded copy_seed(seed, c) + call (self_distill counts its calls): a stride
+# far beyond any call count, so that no two copies share a seed. With `seed + c` copy c's second call
+# reused copy c+1's first call's seed, on another batch of prompts.
+COPY_SEED_STRIDE = 1_000_003
+
+
+def copy_seed(seed: int, copy: int) -> int:
+    """The first seed of copy ``copy``'s engine calls (copy 0: ``seed`` itself)."""
+    return seed + copy * COPY_SEED_STRIDE
 
 
 def generation_order(samples: list, tokenizer: Any, max_length: int | None = None) -> tuple[list, list[dict]]:
