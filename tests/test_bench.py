@@ -269,9 +269,20 @@ def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
     assert text.splitlines()[2].startswith(("**Slower than plain decoding", "**Faster than plain decoding"))
 
 
-def test_the_audit_of_a_differing_turn(drafter_dir):
+def test_the_audit_of_a_differing_turn(drafter_dir, monkeypatch):
     """The actor's audit on the real tiny target (fp32): a turn that differs where the baseline's
-    top-2 gap is far over fp32 rounding is reported as unexplained, at the right position."""
+    top-2 gap is far over fp32 rounding is reported as unexplained, at the right position; the
+    teacher-forced replay stops at the last first difference."""
+    from eagle3_ray import spec
+
+    forced_lengths = []
+    real_top2 = spec.target_top2
+
+    def recording_top2(*args, forced=None, **kw):
+        forced_lengths.append(len(forced))
+        return real_top2(*args, forced=forced, **kw)
+
+    monkeypatch.setattr(spec, "target_top2", recording_top2)
     actor = BenchActor(TINY_TARGET, drafter_dir)
     bench = BenchConfig(**TINY_BENCH)
     ids = actor._render([{"role": "user", "content": "Write a haiku."}])
@@ -283,6 +294,7 @@ def test_the_audit_of_a_differing_turn(drafter_dir):
     assert audit["position"] == 2 and audit["baseline_token"] == base[2] and audit["token"] == wrong[2]
     assert audit["replay_identical"] is True and audit["gap"] >= 0 and audit["explained"] is False
     assert "divergence" not in latest["tree"]
+    assert forced_lengths == [3] and len(base) > 3  # positions 0..2, not the whole answer
 
 
 def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_file, tmp_path):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from eagle3_ray.atomic import write_json
-from eagle3_ray.bench.audit import audit_turn, bound_text
+from eagle3_ray.bench.audit import audit_turn, bound_text, first_difference
 from eagle3_ray.bench.prompts import Prompt, categories_by_set, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
@@ -129,15 +129,18 @@ class BenchActor:
             return
         from eagle3_ray import spec
 
+        baseline = outputs["baseline"]
         prompt = torch.tensor(ids, device=self.target.device)
         # Teacher-forced on the baseline's answer: the gaps are those of the baseline's own context
-        # even where an untimed free replay would decode otherwise (then it is not identical).
-        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens,
-                                        forced=outputs["baseline"])
+        # even where an untimed free replay would decode otherwise (then it is not identical). Only as
+        # far as the last first difference: no audit reads a later position.
+        upto = max(first_difference(baseline, t) for t in outputs.values() if t != baseline) + 1
+        forced = baseline[:upto]
+        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens, forced=forced)
         for kind, tokens in outputs.items():
-            if tokens != outputs["baseline"]:
-                audit = audit_turn(outputs["baseline"], tokens, top2, self.target.dtype)
-                audit["replay_identical"] = replay == outputs["baseline"]  # the replay's argmax = the baseline
+            if tokens != baseline:
+                audit = audit_turn(baseline, tokens, top2, self.target.dtype)
+                audit["replay_identical"] = replay == forced  # the replay's argmax = the baseline (audited part)
                 latest[kind]["divergence"] = audit
 
     def run(self, prompt_sets: dict[str, list[Prompt]], bench: BenchConfig,
