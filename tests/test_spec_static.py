@@ -336,3 +336,29 @@ def test_top2_teacher_forced_on_the_audited_answer(tiny, use_static):
     free, free_top2 = target_top2(decoder, prompt, 8, eos_token_id=[])
     assert free == greedy and free_top2[:4] == top2[:4]  # the same forwards up to the forced token
     assert target_top2(decoder, prompt, 8, forced=[]) == ([], [])
+
+
+def test_eager_forwards_run_without_cudnn_attention(tiny, monkeypatch):
+    """The target's and the drafter's eager forwards (a prompt's own length) run inside the sdpa
+    context without cuDNN (drafter.model.sdpa_for_growing_keys: a no-op off CUDA, so recorded here):
+    cuDNN builds a plan per new shape, ~30 ms of host time on an H200, paid by whichever decoding mode
+    meets a prompt length first (the bench's baseline and chain prefills: 65-67 ms a turn vs 31)."""
+    import contextlib
+
+    from eagle3_ray.spec import static as static_mod
+    from eagle3_ray.spec import static_draft
+
+    entered = []
+
+    def recording(device):
+        entered.append(torch.device(device).type)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(static_mod, "sdpa_for_growing_keys", recording)
+    monkeypatch.setattr(static_draft, "sdpa_for_growing_keys", recording)
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=128)
+    generate(static, drafter, _prompts(1, target.config.vocab_size)[0], 4, mode="chain", num_steps=2,
+             eos_token_id=[])
+    # Off CUDA every forward is eager: the target's prefill and verifies, the drafter's prompt extend and steps.
+    assert len(entered) >= 4 and set(entered) == {"cpu"}

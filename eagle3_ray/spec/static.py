@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from eagle3_ray.drafter.model import Eagle3Drafter
+from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
@@ -182,7 +182,11 @@ class StaticTarget:
         span = self.span(past + w)
         graph = self._graph(w, span) if past > 0 else None  # a prompt's length varies: no graph for it
         if graph is None:
-            logits, aux = self._run(ids, torch.tensor(past, device=self.device), depth, tree, span)
+            # An eager forward has a shape of its own (a prompt's length): without cuDNN, which builds an
+            # execution plan per new shape (~30 ms of host time on an H200), paid by whichever decoding
+            # mode meets a prompt length first. Graph replays keep torch's choice.
+            with sdpa_for_growing_keys(self.device):
+                logits, aux = self._run(ids, torch.tensor(past, device=self.device), depth, tree, span)
             return TargetOut(logits, aux)
         g, buf, (logits, aux) = graph
         buf["ids"].copy_(ids, non_blocking=True)

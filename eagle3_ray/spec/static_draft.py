@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from eagle3_ray.drafter.model import Eagle3Drafter
+from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft
 from eagle3_ray.spec.sampling import Sampling, probs
@@ -225,8 +225,10 @@ class StaticProposer:
         """``fn(**args)``, through the graph of ``key`` when graphs are on (captured on first use);
         int arguments become 0-d long tensors."""
         entry = self._graph(key, fn, args) if graph and self.cuda_graphs else None
-        if entry is None:
-            return fn(**{k: torch.tensor(v, device=self.device) if isinstance(v, int) else v for k, v in args.items()})
+        if entry is None:  # eagerly (a prompt's own length): without cuDNN's per-shape plans, as StaticTarget
+            with sdpa_for_growing_keys(self.device):
+                return fn(**{k: torch.tensor(v, device=self.device) if isinstance(v, int) else v
+                             for k, v in args.items()})
         g, buf, out = entry
         for name, value in args.items():
             if isinstance(value, int):  # a count: a fill kernel, no host-to-device copy
