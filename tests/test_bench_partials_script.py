@@ -1,0 +1,48 @@
+"""benchmarks/bench_partials.py: a bench stopped after some categories is pooled from its partial
+files by the product's own results_body / write_report, and names what it lacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from eagle3_ray.bench.runner import PARTIAL_DIR, PARTIAL_FORMAT, _partial_path
+from eagle3_ray.config import BenchConfig, PipelineConfig, config_to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rec(pid: str, tokens: int, seconds: float, tau: float | None = None, steps: int | None = None) -> dict:
+    stats = {"new_tokens": tokens, "seconds": seconds, "tau": tau, "verify_steps": steps,
+             "accept_by_position": [], "tokens_per_s": tokens / seconds, "parts": {}}
+    return {"prompt_id": pid, "turn": 0, "prompt_tokens": 10, "identical": True, "divergence": None, "stats": stats}
+
+
+def test_pools_the_finished_categories_and_names_the_missing_ones(tmp_path):
+    import yaml
+
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
+                               for i, c in enumerate(["writing", "math", "coding"])))
+    run = tmp_path / "run"
+    cfg = PipelineConfig(bench=BenchConfig(prompts=str(prompts), modes=["chain"], max_new_tokens=8))
+    run.mkdir()
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
+    info = {"device": "cpu", "dtype": "float32", "graphed_baseline": False, "draft_graphs": False}
+    for cat, pid in (("writing", "0"), ("math", "1")):
+        records = {"baseline": [_rec(pid, 8, 1.0)], "chain": [_rec(pid, 8, 0.5, tau=2.0, steps=4)]}
+        path = _partial_path(run / "bench" / PARTIAL_DIR, cat)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": PARTIAL_FORMAT, "key": "k", "category": cat, "info": info,
+                                    "records": records}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_partials.py"), "--run", str(run)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((run / "bench" / "results.json").read_text())
+    assert results["incomplete"]["missing_categories"] == ["coding"]
+    assert sorted(results["per_category"]) == ["math", "writing"]
+    assert results["tau"]["chain"] == 2.0 and results["speedup"]["chain"] == 2.0 and results["num_prompts"] == 2
+    report = (run / "bench" / "report.md").read_text()
+    assert report.startswith("> **Incomplete:** 2 of 3 categories measured; not measured: coding.")
