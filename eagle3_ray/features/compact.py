@@ -63,6 +63,20 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, blocks: int,
     return x.reshape(q.shape).to(dtype)
 
 
+def dequantize_fp8_bits(bits: torch.Tensor, scale: torch.Tensor, blocks: int,
+                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(bits [..., B·W] uint8 holding e4m3fn bit patterns, scale [..., B] fp32) -> x [..., B·W] in
+    ``dtype``, on the tensors' device: the training reader carries fp8 as stored (numpy has no fp8)
+    and dequantizes after the copy to the device. Exactly ``dequantize_fp8`` (same ops, same dtypes,
+    so bit-identical results), over any leading dims ([1, N, ·] packed or [B, R, ·] rows)."""
+    if bits.dtype != torch.uint8:
+        raise TypeError(f"dequantize_fp8_bits needs uint8 fp8 bit patterns, got {bits.dtype}")
+    width = bits.shape[-1]
+    q = bits.reshape(-1, width).view(FP8_DTYPE)  # [T, B·W]
+    x = dequantize_fp8(q, scale.reshape(-1, blocks), blocks, dtype)
+    return x.reshape(bits.shape)
+
+
 def compact_record(rec: Mapping[str, Any]) -> dict[str, Any]:
     """A validated torch record with its hidden states as fp8 plus ``<field>_scale`` tensors."""
     out = dict(rec)

@@ -277,14 +277,17 @@ def open_shard(path: Path) -> Any:
     return safe_open(str(path), framework="pt")
 
 
-def read_sample(handle: Any, sample_id: str, start: int, end: int, compact: str) -> dict[str, Any]:
-    """One record from rows [start, end) of an open shard; hidden states in bf16 whatever ``compact``."""
+def read_sample(handle: Any, sample_id: str, start: int, end: int, compact: str,
+                as_stored: bool = False) -> dict[str, Any]:
+    """One record from rows [start, end) of an open shard; hidden states in bf16 whatever ``compact``.
+    ``as_stored``: as the shard holds it instead (fp8: float8_e4m3fn plus ``<field>_scale`` fp32
+    [T, B], for ``compact.expand_record`` or a reader that dequantizes elsewhere)."""
     fp8 = compact == "fp8"
     names = TENSOR_FIELDS + (tuple(scale_name(n) for n in FIELD_BLOCKS) if fp8 else ())
     rec: dict[str, Any] = {SAMPLE_ID: sample_id}
     for name in names:
         rec[name] = handle.get_slice(name)[start:end]  # reads rows [start, end) only
-    return expand_record(rec) if fp8 else rec
+    return expand_record(rec) if fp8 and not as_stored else rec
 
 
 def read_token_columns(path: str | Path) -> tuple[np.ndarray, np.ndarray]:

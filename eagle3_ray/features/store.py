@@ -435,7 +435,8 @@ class FeatureStore:
     Order is deterministic (shard name, then position in shard). A sample id that appears in
     several shards (a duplicated extraction) is served once, first occurrence wins; the others are
     listed in ``duplicate_ids``. ``store[i]`` reads only that sample's rows from the shard.
-    Hidden states come back in bf16 whatever the store's format (fp8 is dequantized on read).
+    Hidden states come back in bf16 whatever the store's format (fp8 is dequantized on read), unless
+    read with ``read(i, as_stored=True)``.
     """
 
     _MAX_OPEN = 8  # open shard handles kept for random access
@@ -482,11 +483,18 @@ class FeatureStore:
         return self._handles[k]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.read(i)
+
+    def read(self, i: int, as_stored: bool = False) -> dict[str, Any]:
+        """Sample ``i`` (``store[i]``); ``as_stored=True``: its hidden states as the shards hold
+        them (an fp8 store: float8_e4m3fn plus ``aux_hidden_scale`` / ``last_hidden_scale`` fp32
+        [T, B], see features/compact.py; a bf16 store: the same as ``store[i]``)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample index {i} out of range for a store of {len(self)} samples")
         k, j = (int(x) for x in self._loc[i])
         start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
-        return shards.read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact)
+        return shards.read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact,
+                                  as_stored=as_stored)
 
     def close(self) -> None:
         """Release the open shard files (reading again reopens them)."""
