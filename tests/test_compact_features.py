@@ -30,7 +30,7 @@ from eagle3_ray.features import (
     read_meta,
 )
 from eagle3_ray.features.compact import FP8_DTYPE, dequantize_fp8, quantize_fp8
-from eagle3_ray.train.data import LoadPackUDF
+from eagle3_ray.train.data import LoadPackUDF, row_to_batch
 
 H = 16
 VOCAB = 512
@@ -140,12 +140,13 @@ def test_fp8_store_reads_back_bf16_with_right_shapes_and_close_values(tmp_path):
 
 
 def test_training_loader_gets_dequantized_bf16_from_an_fp8_store(tmp_path):
+    """The loader carries fp8 as stored; row_to_batch dequantizes on the device (tests/test_compact_train.py)."""
     recs = [make_record(f"s{i}", 4 + i, seed=i) for i in range(3)]
     write(tmp_path / "st", recs, "fp8")
     store = open_store(tmp_path / "st")
     row = LoadPackUDF(str(tmp_path / "st"))({"key": np.array(["p0"]), "samples": [np.array([0, 2])]})
-    aux = torch.from_numpy(row[AUX_HIDDEN][0]).view(torch.bfloat16)  # uint16 bits of bf16
-    assert torch.equal(aux, torch.cat([store[0][AUX_HIDDEN], store[2][AUX_HIDDEN]]))
+    batch = row_to_batch({k: v[0] for k, v in row.items() if k != "key"}, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(batch[AUX_HIDDEN][0], torch.cat([store[0][AUX_HIDDEN], store[2][AUX_HIDDEN]]))
 
 
 def test_fp8_bytes_per_token_at_most_055_of_full(tmp_path):

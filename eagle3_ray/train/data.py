@@ -3,6 +3,18 @@
 The driver turns the packing plan into rows `{"key", "samples"}`; `LoadPackUDF` reads those samples
 from the feature store (safetensors slices) and emits one packed row per micro-batch; workers read
 them through `ray.train.get_dataset_shard("train")`.
+
+A packed row comes in one of two forms, told apart by its columns (`row_to_batch` takes both):
+
+- bf16: `aux_hidden` uint16 [N, 3H] and `last_hidden` uint16 [N, H], bf16 bit patterns (bf16
+  stores, and the online path's `PackCaptureUDF` rows);
+- fp8, as an fp8 store holds it: `aux_hidden` uint8 [N, 3H] and `last_hidden` uint8 [N, H] holding
+  float8_e4m3fn bit patterns, plus `aux_hidden_scale` fp32 [N, 3] and `last_hidden_scale` fp32
+  [N, 1]. The loader does no dequantization on its CPU (it throttled training: 0.4-0.65 s per
+  16K-token pack on one core); `row_to_batch` dequantizes after the copy to the training device,
+  which also moves 4H + 16 bytes per token instead of 8H.
+
+Both forms share `input_ids`, `loss_mask`, `position_ids` and `seq_ids`.
 """
 
 from __future__ import annotations
@@ -13,8 +25,13 @@ import torch
 
 from eagle3_ray.drafter.ttt import split_rows
 from eagle3_ray.features import open_store
-from eagle3_ray.features.record import bf16_to_uint16, uint16_to_bf16
+from eagle3_ray.features.compact import FIELD_BLOCKS, dequantize_fp8_bits, scale_name
+from eagle3_ray.features.record import AUX_HIDDEN, LAST_HIDDEN, bf16_to_uint16, uint16_to_bf16
 from eagle3_ray.train.packing import Pack, collate
+
+HIDDEN_KEYS = (AUX_HIDDEN, LAST_HIDDEN)
+PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
+SCALE_KEYS = tuple(scale_name(k) for k in HIDDEN_KEYS)  # present in fp8 rows only
 
 
 def _ragged(arrays):
@@ -25,14 +42,30 @@ def _ragged(arrays):
 
 
 class LoadPackUDF:
-    def __init__(self, store_root: str, on_corrupt: str = "abort"):
+    """Reads packs' samples from the store and emits packed rows (the module docstring's forms): an
+    fp8 store's rows carry its hidden states as stored, unless ``dequantize_on_host`` (the loader
+    then dequantizes on its CPU, as it did before; kept for benchmarks/ingest_compact.py)."""
+
+    def __init__(self, store_root: str, on_corrupt: str = "abort", dequantize_on_host: bool = False):
         self.store = open_store(store_root, on_corrupt=on_corrupt)
+        self.as_stored = self.store.meta.compact == "fp8" and not dequantize_on_host
+
+    def _read(self, i: int) -> dict:
+        if not self.as_stored:
+            return self.store[i]
+        rec = self.store.read(i, as_stored=True)
+        for k in HIDDEN_KEYS:  # fp8 bits as uint8: numpy and Arrow have no fp8
+            rec[k] = rec[k].view(torch.uint8)
+        return rec
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        cols: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden",
-                                                "position_ids", "seq_ids")}
+        keys = PACKED_KEYS + (SCALE_KEYS if self.as_stored else ())
+        cols: dict[str, list] = {k: [] for k in keys}
         for samples in batch["samples"]:
-            packed = collate([self.store[int(i)] for i in samples])
+            records = [self._read(int(i)) for i in samples]
+            packed = collate(records)
+            if self.as_stored:
+                packed.update({k: torch.cat([r[k] for r in records])[None] for k in SCALE_KEYS})
             for k in cols:
                 t = packed[k][0]
                 cols[k].append(bf16_to_uint16(t) if t.dtype == torch.bfloat16 else t.numpy())
@@ -59,19 +92,43 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
     )
 
 
+def _host_tensor(a: np.ndarray) -> torch.Tensor:
+    """A row's array as a CPU tensor; a read-only one (Arrow / object store memory) is copied, as
+    `uint16_to_bf16` does."""
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
 def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: int | None = None) -> dict:
-    """One packed row as the shard yields it (numpy, bf16 as uint16) -> `ttt_forward` batch tensors
-    on `device`.
+    """One packed row as the shard yields it (numpy; bf16 as uint16, or an fp8 store's hidden
+    states as stored: see the module docstring) -> `ttt_forward` batch tensors on `device`.
 
     [1, N] as packed; with `row_tokens` (sdpa) already laid out as [B, R] rows of whole samples
-    (`split_rows`), done here on the host so the training step does not wait for the device to
-    find the sample boundaries.
+    (`split_rows`, scales laid out with their hidden states), done here on the host so the
+    training step does not wait for the device to find the sample boundaries.
+
+    fp8 rows are dequantized after the copy to `device` (`compact.dequantize_fp8_bits`, the
+    arithmetic of the store's own reader): the same bf16 values, bit for bit, as a store read on
+    the host, then cast to `hidden_dtype` as bf16 rows are.
     """
-    out = {k: uint16_to_bf16(np.ascontiguousarray(row[k]))[None] for k in ("aux_hidden", "last_hidden")}
+    fp8 = all(k in row for k in SCALE_KEYS)
+    if fp8:
+        out = {k: _host_tensor(row[k])[None] for k in HIDDEN_KEYS + SCALE_KEYS}
+        for k in HIDDEN_KEYS:
+            if out[k].dtype != torch.uint8 or out[scale_name(k)].dtype != torch.float32:
+                raise TypeError(f"fp8 row: {k} must be uint8 fp8 bits and {scale_name(k)} float32, got "
+                                f"{out[k].dtype} and {out[scale_name(k)].dtype}")
+    else:
+        out = {k: uint16_to_bf16(np.ascontiguousarray(row[k]))[None] for k in HIDDEN_KEYS}
     for k, dtype in (("input_ids", np.int64), ("loss_mask", np.bool_), ("position_ids", np.int64),
                      ("seq_ids", np.int64)):
-        out[k] = torch.from_numpy(np.asarray(row[k], dtype=dtype))[None]
+        out[k] = _host_tensor(np.asarray(row[k], dtype=dtype))[None]
     if row_tokens:
         out = split_rows(out, row_tokens)
-    return {k: v.to(device=device, dtype=hidden_dtype if k.endswith("_hidden") else v.dtype)
-            for k, v in out.items()}
+    if not fp8:
+        return {k: v.to(device=device, dtype=hidden_dtype if k.endswith("_hidden") else v.dtype)
+                for k, v in out.items()}
+    out = {k: v.to(device=device) for k, v in out.items()}
+    for k, blocks in FIELD_BLOCKS.items():
+        out[k] = dequantize_fp8_bits(out[k], out.pop(scale_name(k)), blocks).to(dtype=hidden_dtype)
+    return out
