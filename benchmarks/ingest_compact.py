@@ -193,7 +193,8 @@ def main(argv=None) -> int:
             "loader_packs_per_s_fp8_over_bf16": loader["fp8"]["packs_per_s"] / loader["bf16"]["packs_per_s"],
             "loader_packs_per_s_fp8_host_over_bf16": loader["fp8_host"]["packs_per_s"] / loader["bf16"]["packs_per_s"],
             "row_bytes_fp8_over_bf16": loader["fp8"]["row_bytes_per_token"] / loader["bf16"]["row_bytes_per_token"],
-            "row_to_batch_packed_fp8_over_bf16": convert["fp8"]["packed_ms_per_pack"] / convert["bf16"]["packed_ms_per_pack"],
+            "row_to_batch_packed_fp8_over_bf16":
+                convert["fp8"]["packed_ms_per_pack"] / convert["bf16"]["packed_ms_per_pack"],
         }
         for k, v in ratios.items():
             log(f"{k}: {v:.2f}")
