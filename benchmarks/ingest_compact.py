@@ -34,15 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compact_format import cpu_name  # benchmarks/compact_format.py
+
 ARMS = ("bf16", "fp8_host", "fp8")
-
-
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
 
 
 def log(msg: str) -> None:

@@ -22,13 +22,14 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from eagle3_ray.config import PROMPT_ENTRY_FORM, PromptSetEntry
 from eagle3_ray.data.sources import BUILTIN_PREFIX, builtin_names, resolve_data_path
 from eagle3_ray.errors import DataError
 
 ID_FIELDS = ("question_id", "id", "task_id", "uid")
 SINGLE_TURN_FIELDS = ("prompt", "question", "instruction")
-ENTRY_KEYS = ("path", "max_prompts", "name")  # a mapping entry of bench.prompts
-ENTRY_FORM = "a path, builtin:<name>, or a mapping {path: <file>, max_prompts: <n>, name: <set name>}"
+ENTRY_KEYS = tuple(PromptSetEntry.model_fields)  # a mapping entry of bench.prompts
+ENTRY_FORM = PROMPT_ENTRY_FORM
 
 
 @dataclass

@@ -374,14 +374,14 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     source = prompts or cfg.bench.prompts or DEFAULT_PROMPTS
     sets = load_prompt_sets(source, cfg.bench.max_prompts)
+    resolved = config_to_dict(cfg)
     if not prompts and cfg.bench.prompts:
-        source = config_to_dict(cfg)["bench"]["prompts"]  # entries as plain JSON
+        source = resolved["bench"]["prompts"]  # entries as plain JSON
     drafter_dir = str(Path(drafter).resolve())
     if cfg.target.backend == "sglang":
         results = _sglang_results(cfg, drafter_dir, sets)
     else:
         results = _hf_results(cfg, drafter_dir, sets, out_dir, compare_untrained, sglang_plain_tokens_per_s)
-    resolved = config_to_dict(cfg)
     results["config"] = {"bench": resolved["bench"], "target": resolved["target"], "prompts": source}
     _write_json(out_dir / RESULTS_NAME, results)
     write_report(results, out_dir, train_metrics)
