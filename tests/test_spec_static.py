@@ -26,6 +26,7 @@ from eagle3_ray.spec import (
 )
 from eagle3_ray.spec.sampling import Sampling, make_sampling
 from eagle3_ray.spec.static import StaticRunner
+from eagle3_ray.spec.tree import select_nodes
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -169,8 +170,10 @@ def test_the_graphed_functions_have_no_host_sync(tiny):
         out = proposer._extend(torch.arange(w), aux, torch.tensor(10), torch.tensor(2))
         chain = proposer._chain(hidden, torch.tensor(14), 3)
         tokens, scores, parents = proposer._tree(hidden, torch.tensor(14), 3, 4)
+        tree = select_nodes(tokens, scores, parents, 10)  # inside the tree's graph too, with its layout
     assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == (3,)
     assert tokens.shape == scores.shape == parents.shape == (3 + 3 * 9,)
+    assert tree.tokens.shape == (10,) and tree.visible.shape == (11, 11)
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the check itself can fail
         int(torch.tensor(3) + 1)
 
@@ -249,7 +252,7 @@ def test_the_graph_plumbing_gives_the_eager_tokens(tiny, monkeypatch):
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             assert out == dyn == ref and stats.accept_hist == dyn_stats.accept_hist
     keys = static.proposer(drafter).captured
-    assert set(keys) == {("chain", 3), ("extend", 4), ("tree", 3, 4), ("extend", 5)}
+    assert set(keys) == {("chain", 3), ("extend", 4), ("tree", 3, 4, 10), ("extend", 5)}
     assert all(g.replays > 0 for g in graphs)
 
 

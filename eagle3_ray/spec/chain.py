@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
-from eagle3_ray.spec.sampling import Sampling, probs, verify_chain
+from eagle3_ray.spec.sampling import Sampling, accept_greedy_chain, probs, verify_chain
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
 from eagle3_ray.spec.target import TargetRunner, prefill
 from eagle3_ray.spec.tree import DraftTree, eagle2_tree
@@ -31,8 +31,13 @@ from eagle3_ray.spec.tree import DraftTree, eagle2_tree
 
 @dataclass
 class Draft:
-    ids: list[int]  # [K] target vocab
+    tokens: torch.Tensor | list[int]  # [K] target vocab; on the device, the verify needs no host sync
     q: torch.Tensor | None  # [K, V] distributions the ids were sampled from; None = deterministic
+
+    @property
+    def ids(self) -> list[int]:
+        """The drafts on the host (a sync when they are on the device)."""
+        return self.tokens.tolist() if isinstance(self.tokens, torch.Tensor) else list(self.tokens)
 
 
 @runtime_checkable
@@ -94,7 +99,7 @@ class Eagle3Proposer:
             if i + 1 < k:
                 position = torch.full((1, 1), self.committed + i, device=h.device)
                 h = self.drafter(token.view(1, 1), h, position, cache=self.cache)
-        return Draft(torch.stack(ids).tolist(), torch.stack(qs) if qs else None)
+        return Draft(torch.stack(ids), torch.stack(qs) if qs else None)
 
     def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """[Vd] draft-vocab distribution -> [V] target-vocab distribution (0 outside the draft vocab)."""
@@ -111,12 +116,19 @@ def chain_step(
     """Verify one chain; returns (new tokens = accepted drafts + the target's token, accepted count)."""
     mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
-    ids = torch.tensor([root, *draft.ids], device=runner.device)  # [K+1]
+    drafts = torch.as_tensor(draft.tokens, device=runner.device)  # [K]
+    ids = torch.cat([drafts.new_tensor([root]), drafts])  # [K+1]
     out = runner.forward(ids)  # logits [K+1, V]: row i predicts the token after ids[i]
     mark("verify")
-    accepted, token = verify_chain(out.logits, draft.ids, draft.q, s)
+    if s.greedy:  # one host transfer: the drafts and the target's argmax at every position
+        host = torch.cat([drafts, out.logits.argmax(dim=-1)]).tolist()
+        accepted, token = accept_greedy_chain(host[: drafts.shape[0]], host[drafts.shape[0]:])
+        draft_ids = host[: drafts.shape[0]]
+    else:
+        draft_ids = draft.ids
+        accepted, token = verify_chain(out.logits, draft_ids, draft.q, s)
     runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
-    new_tokens = draft.ids[:accepted] + [token]
+    new_tokens = draft_ids[:accepted] + [token]
     mark("accept")
     aux = None if out.aux is None else out.aux[: accepted + 1]  # the states that produced new_tokens
     proposer.extend(torch.tensor(new_tokens, device=runner.device), aux)

@@ -94,17 +94,21 @@ def verify_chain(
 ) -> tuple[int, int]:
     """(number of accepted drafts a, the token after them): the bonus when a == K, else the correction."""
     if s.greedy:
-        best = logits.argmax(dim=-1).tolist()  # [K+1]
-        for i, token in enumerate(draft_ids):
-            if token != best[i]:  # greedy accepts exactly the target's argmax
-                return i, best[i]
-        return len(draft_ids), best[-1]
+        return accept_greedy_chain(draft_ids, logits.argmax(dim=-1).tolist())
     p = probs(logits, s)  # [K+1, V]
     for i, token in enumerate(draft_ids):
         q = None if draft_q is None else draft_q[i]
         if not accept(p[i], q, token, s):
             return i, sample(residual(p[i], q, token), s)
     return len(draft_ids), sample(p[-1], s)  # every draft accepted: the bonus comes from p itself
+
+
+def accept_greedy_chain(draft_ids: list[int], best: list[int]) -> tuple[int, int]:
+    """Greedy ``verify_chain`` on the target's argmax ``best`` [K+1] at the root and each draft."""
+    for i, token in enumerate(draft_ids):
+        if token != best[i]:  # greedy accepts exactly the target's argmax
+            return i, best[i]
+    return len(draft_ids), best[-1]
 
 
 def verify_children(p: torch.Tensor, children: list[int], s: Sampling) -> tuple[int | None, int | None]:

@@ -128,9 +128,9 @@ class StaticProposer:
         if s.greedy:
             fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
             ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, graph=True)
-            return Draft(ids.tolist(), None)
+            return Draft(ids, None)  # on the device: the verify reads it without a host sync
         ids, qs = self._chain_sampled(self.hidden, torch.tensor(self.committed, device=self.device), k, s)
-        return Draft(ids.tolist(), qs)
+        return Draft(ids, qs)
 
     @torch.inference_mode()
     def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
@@ -139,10 +139,12 @@ class StaticProposer:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
                               f"({self.drafter.config.draft_vocab_size}); lower it")
         self._fits(self.committed + (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}")
-        fn = lambda hidden, past: self._tree(hidden, past, topk, depth)  # noqa: E731
-        tokens, scores, parents = self._call(("tree", topk, depth), fn, {"hidden": self.hidden, "past": self.committed},
-                                             graph=True)
-        return select_nodes(tokens, scores, parents, total_tokens)
+        def fn(hidden, past):  # the expansion, the selection and the verify's layout: one graph
+            tree = select_nodes(*self._tree(hidden, past, topk, depth), total_tokens)
+            return tree.tokens, tree.parents, tree.depth, tree.visible
+
+        key = ("tree", topk, depth, total_tokens)
+        return DraftTree(*self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, graph=True))
 
     # -- fixed-shape functions: run eagerly or captured ------------------------------------------
     def _extend(self, ids, aux, past, last) -> torch.Tensor:

@@ -31,22 +31,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class DraftTree:
-    """Draft tokens under the root (the last committed token), parents listed before children."""
+    """Draft tokens under the root (the last committed token), parents listed before children.
+
+    ``depth`` / ``visible``: the verify's layout (see ``layout``), computed on the tokens' device
+    by ``select_nodes`` (inside the drafter's CUDA graph on the static path); a tree built from
+    tokens and parents alone computes it on first use.
+    """
 
     tokens: torch.Tensor  # [N] long, target vocab
     parents: torch.Tensor  # [N] long, index into tokens; -1 = the root
+    depth: torch.Tensor | None = None  # [N+1] long, root-inclusive
+    visible: torch.Tensor | None = None  # [N+1, N+1] bool, root-inclusive ancestor-or-self
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(depth [N+1], ancestor-or-self mask [N+1, N+1] bool), row/column 0 = the root."""
-        n = self.tokens.shape[0]
-        parent = [-1] + [p + 1 for p in self.parents.tolist()]  # root-inclusive indices
-        depth = [0] * (n + 1)
-        visible = torch.eye(n + 1, dtype=torch.bool)
-        for i in range(1, n + 1):
-            assert 0 <= parent[i] < i, "a parent must precede its children"
-            depth[i] = depth[parent[i]] + 1
-            visible[i] |= visible[parent[i]]
-        return torch.tensor(depth), visible
+        """(depth [N+1], ancestor-or-self mask [N+1, N+1] bool), row/column 0 = the root; on the
+        tokens' device, without a host sync."""
+        if self.depth is None or self.visible is None:
+            if self.parents.device.type == "cpu":  # a check a device tree would pay a sync for
+                n = self.parents.shape[0]
+                assert bool((self.parents < torch.arange(n)).all()) and bool((self.parents >= -1).all()), \
+                    "a parent must precede its children"
+            self.depth, self.visible = tree_layout(self.parents)
+        return self.depth, self.visible
 
     def children(self) -> list[list[int]]:
         """Per root-inclusive node, its children's root-inclusive indices in draft order."""
@@ -54,6 +60,21 @@ class DraftTree:
         for i, p in enumerate(self.parents.tolist()):
             kids[p + 1].append(i + 1)
         return kids
+
+
+def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root-inclusive (depth [N+1], ancestor-or-self [N+1, N+1] bool) of a tree whose ``parents``
+    [N] (-1 = the root) precede their children: fixed-shape device ops (no host sync, graph-safe),
+    the ancestor relation closed by squaring the parent-or-self matrix ceil(log2(N+1)) times."""
+    n = parents.shape[0] + 1
+    up = torch.cat([parents.new_zeros(1), parents + 1])  # root-inclusive parent; the root's own is itself
+    step = torch.eye(n, dtype=torch.float32, device=parents.device)
+    step[torch.arange(1, n, device=parents.device), up[1:]] = 1.0  # row i: i and its parent
+    reach = step
+    for _ in range(max(1, (n - 1).bit_length())):  # paths of up to 2^j edges
+        reach = (reach @ reach).clamp_(max=1.0)  # 0/1 entries: exact in any matmul precision
+    visible = reach > 0
+    return visible.sum(-1) - 1, visible
 
 
 @torch.no_grad()
@@ -108,21 +129,38 @@ def select_nodes(
     parents: torch.Tensor,  # [M], -1 = root
     total_tokens: int,
 ) -> DraftTree:
-    """The ``total_tokens`` best nodes, reordered by depth then score.
+    """The ``total_tokens`` best nodes, reordered by depth then score, with their layout.
 
     A child's score is its parent's plus a log-prob <= 0, and the stable sort keeps a parent ahead
     of an equal-scoring child (created later), so the chosen set always holds every ancestor.
+    Fixed-shape device ops only: the static proposer runs this inside its CUDA graph.
     """
-    order = scores.sort(descending=True, stable=True).indices[:total_tokens].tolist()
-    parent = parents.tolist()
-    depth: dict[int, int] = {}
-    for i in sorted(order):
-        depth[i] = 1 if parent[i] < 0 else depth[parent[i]] + 1
-    order.sort(key=lambda i: depth[i])  # stable: score order within a depth
-    new_index = {old: new for new, old in enumerate(order)}
-    new_parents = [-1 if parent[i] < 0 else new_index[parent[i]] for i in order]
-    index = torch.tensor(order, device=tokens.device)
-    return DraftTree(tokens[index], torch.tensor(new_parents, device=tokens.device))
+    m = tokens.shape[0]
+    n = min(total_tokens, m)
+    dev = tokens.device
+    chosen = scores.sort(descending=True, stable=True).indices[:n]  # [n] by score
+    depth_all = _node_depths(parents)  # [M], 1 = a child of the root
+    key = depth_all[chosen] * n + torch.arange(n, device=dev)  # by depth, then score order
+    order = chosen[key.argsort()]  # [n] old indices in their new order
+    new_index = torch.full((m,), -1, dtype=torch.long, device=dev)
+    new_index[order] = torch.arange(n, device=dev)
+    old_parent = parents[order]
+    new_parents = torch.where(old_parent >= 0, new_index[old_parent.clamp(min=0)], -1)
+    depth, visible = tree_layout(new_parents)
+    return DraftTree(tokens[order], new_parents, depth, visible)
+
+
+def _node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node of a parent-pointer forest (-1 = the root, depth 1 under it): pointer
+    jumping, ceil(log2(M + 1)) rounds of fixed-shape ops."""
+    dist = torch.ones_like(parents)
+    jump = parents
+    for _ in range(max(1, parents.shape[0].bit_length())):
+        up = jump.clamp(min=0)
+        has = jump >= 0
+        dist = dist + torch.where(has, dist[up], 0)
+        jump = torch.where(has, jump[up], jump)
+    return dist
 
 
 def accept_path(logits: torch.Tensor, tree: DraftTree, s: Sampling) -> tuple[list[int], int]:
@@ -151,6 +189,27 @@ def accept_path(logits: torch.Tensor, tree: DraftTree, s: Sampling) -> tuple[lis
         path.append(match)
 
 
+def accept_greedy(logits: torch.Tensor, tree: DraftTree, ids: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``accept_path`` for greedy decoding, on the device: a node is accepted when it and each of its
+    ancestors is the target's argmax at its parent. One host transfer per verify: returns
+    (accepted root-inclusive path, new tokens = its drafts + the target's next token), or None when
+    the accepted nodes do not form one path (duplicate siblings: walk with ``accept_path``).
+
+    ``ids`` [N+1]: the root and the tree's tokens, as verified.
+    """
+    best = logits.argmax(dim=-1)  # [N+1]
+    _, visible = tree.layout()
+    up = torch.cat([tree.parents.new_zeros(1), tree.parents + 1])  # root-inclusive parent
+    match = ids == best[up]  # node i is the target's choice after its parent (row 0: the root)
+    match[0] = True
+    accepted = ~(visible & ~match[None, :]).any(-1)  # [N+1]: it and all its ancestors match
+    flags, best_host, ids_host, parent = torch.stack([accepted.long(), best, ids, up]).tolist()
+    path = [i for i, a in enumerate(flags) if a]  # ancestors precede their children: path order
+    if any(parent[b] != a for a, b in zip(path, path[1:])):
+        return None
+    return path, [ids_host[i] for i in path[1:]] + [best_host[path[-1]]]
+
+
 def tree_step(
     runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling, clock: Stopwatch | None = None
 ) -> tuple[list[int], int]:
@@ -158,13 +217,17 @@ def tree_step(
     mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
     depth, visible = tree.layout()  # [N+1], [N+1, N+1]
-    ids = torch.cat([torch.tensor([root], device=tree.tokens.device), tree.tokens])  # [N+1]
-    mark("draft")  # the tree's layout is drafting's host work
+    ids = torch.cat([tree.tokens.new_tensor([root]), tree.tokens])  # [N+1]
+    mark("draft")  # a tree built without its layout computes it here: drafting's work
     out = runner.forward(ids, positions=past + depth, mask=visible)
     mark("verify")
-    path, token = accept_path(out.logits, tree, s)
+    walked = accept_greedy(out.logits, tree, ids) if s.greedy else None
+    if walked is None:
+        path, token = accept_path(out.logits, tree, s)
+        new_tokens = ids[path[1:]].tolist() + [token]
+    else:
+        path, new_tokens = walked
     runner.keep_path(past, path)
-    new_tokens = ids[path[1:]].tolist() + [token]
     mark("accept")
     proposer.extend(torch.tensor(new_tokens, device=ids.device), None if out.aux is None else out.aux[path])
     mark("commit")
