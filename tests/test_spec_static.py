@@ -25,7 +25,7 @@ from eagle3_ray.spec import (
     target_top2,
 )
 from eagle3_ray.spec.sampling import Sampling, make_sampling
-from eagle3_ray.spec.static import StaticRunner
+from eagle3_ray.spec.static import DRAFT_HEADROOM, StaticRunner
 from eagle3_ray.spec.tree import select_nodes
 
 
@@ -254,6 +254,29 @@ def test_the_graph_plumbing_gives_the_eager_tokens(tiny, monkeypatch):
     keys = static.proposer(drafter).captured
     assert set(keys) == {("chain", 3), ("extend", 4), ("tree", 3, 4, 10), ("extend", 5)}
     assert all(g.replays > 0 for g in graphs)
+
+
+def test_drafter_attention_covers_the_context_not_the_capacity(tiny, monkeypatch):
+    """The static drafter's steps attend over the smallest span holding their keys (the drafter's
+    storage is the target's max_length + headroom), crossing spans mid-generation with the eager
+    drafter's tokens; capture_spans then captures every span of every step met."""
+    _use_fake_graphs(monkeypatch)
+    target, drafter = tiny
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=600)
+    proposer = static.proposer(drafter)
+    proposer.cuda_graphs = True  # the graph path, with FakeGraph standing in for CUDA
+    assert proposer.spans == [256, 512, 1024, 600 + DRAFT_HEADROOM]
+    seen: list[int] = []
+    drafter.midlayer.self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(args[3].shape[-1]) if isinstance(args[3], torch.Tensor) else None)
+    prompt = torch.randint(3, target.config.vocab_size, (236,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref, _ = target_generate(target, prompt, 40, eos_token_id=[])
+    for mode, params in MODES:
+        out, _ = generate(static, drafter, prompt, 40, mode=mode, eos_token_id=[], **params)
+        assert out == ref
+    assert set(seen) == {256, 512}  # the prompt and first steps within 256 slots, the rest within 512
+    assert proposer.capture_spans()  # the spans no generation met
+    assert all((*key, span) in proposer.graph_keys for key in proposer.captured for span in proposer.spans)
 
 
 def _key_lengths(target) -> list[int]:

@@ -43,12 +43,12 @@ from transformers.cache_utils import Cache
 from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
+from eagle3_ray.spec.spans import attention_spans, span_for
 from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
 from eagle3_ray.spec.target import TargetOut
 
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
 MAX_GRAPHS = 8  # distinct widths captured at most (each with one graph per attention span)
-MIN_SPAN = 256  # the shortest attention span; the next ones double up to max_length
 DRAFT_HEADROOM = 512  # drafter slots past max_length: a tree's expansions ((depth - 1) * topk keys)
 
 
@@ -200,17 +200,20 @@ class StaticTarget:
     def span(self, n: int) -> int:
         """The attention span of a forward whose committed + new tokens are ``n``: the smallest of
         ``spans`` holding them."""
-        return next(s for s in self.spans if s >= n)
+        return span_for(self.spans, n)
 
     @torch.inference_mode()
     def capture_spans(self) -> list[tuple[int, int]]:
-        """Capture the graph of every span for every width captured so far (call it after a
-        warm-up generation per mode, so no capture lands in a timed one); returns the new keys."""
+        """Capture the graph of every span for every width captured so far, and the same for the
+        drafter steps of every proposer (call it after a warm-up generation per mode, so no capture
+        lands in a timed one); returns the target's new keys."""
         before = len(self.graph_keys)
         for w in list(self.captured):
             for span in self.spans:
                 if span >= w:
                     self._graph(w, span)
+        for _, proposer in self._proposers.values():
+            proposer.capture_spans()
         return self.graph_keys[before:]
 
     def _graph(self, w: int, span: int):
@@ -246,16 +249,6 @@ class StaticTarget:
         """Copy the keys/values at slots ``src`` [n] to ``dst_start .. dst_start + n - 1``, every layer."""
         dst = torch.arange(dst_start, dst_start + src.shape[0], device=self.device)
         self.storage.index_copy_(3, dst, self.storage.index_select(3, src.to(self.device)))
-
-
-def attention_spans(max_length: int, min_span: int = MIN_SPAN) -> list[int]:
-    """``min_span``, doubling, below ``max_length``, then ``max_length``: the spans a forward attends over."""
-    spans = []
-    span = min_span
-    while span < max_length:
-        spans.append(span)
-        span *= 2
-    return spans + [max_length]
 
 
 class StaticRunner:

@@ -4,9 +4,11 @@
 ``Eagle3Proposer`` (the eager reference), with the drafter's one attention layer reading and
 writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead of a growing cache:
 
-* every write goes to explicit slots (slot = drafter position), and every call passes a mask over
-  the whole storage computed on the device from the committed length, so a call has one shape per
-  width whatever the context length, and never reads the host;
+* every write goes to explicit slots (slot = drafter position), and every call attends over the
+  first ``span`` slots of the storage (the smallest of ``spans``, ``spec/spans.py``, holding the
+  committed and new keys: a masked attention reads every slot it is given) with a mask computed on
+  the device from the committed length, so a call has one shape per (width, span) whatever the
+  context length, and never reads the host;
 * rolling back is free: draft-step keys past the committed length stay in the storage, masked,
   until the next call overwrites them;
 * a commit after a verify (``extend``) is padded to a fixed width (the widest commit of the mode:
@@ -15,8 +17,9 @@ writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead o
   overwrites before anything reads them.
 
 So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and the commit of each
-width are fixed-shape functions; on CUDA each is captured once as a CUDA graph and replayed (a
-chain cycle is then three graph replays: commit, draft, the target's verify). Off CUDA, and for
+width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed (a
+chain cycle is then three graph replays: commit, draft, the target's verify; a tree's graph also
+selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). Off CUDA, and for
 prompts (their length varies) and sampled chains (the sampler's generator lives on the host side),
 the same functions run eagerly. ``StaticTarget.proposer`` builds one per drafter next to the
 target's storage, so the verify and the draft share one preallocated state.
@@ -33,16 +36,17 @@ from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft
 from eagle3_ray.spec.sampling import Sampling, probs
+from eagle3_ray.spec.spans import attention_spans, span_for
 from eagle3_ray.spec.tree import DraftTree, select_nodes
 
 log = logging.getLogger(__name__)
 
-MAX_DRAFT_GRAPHS = 8  # distinct (function, shape) keys captured per proposer at most
+MAX_DRAFT_GRAPHS = 8  # distinct steps (function, shape) captured per proposer at most, each once per span
 
 
 class StaticDrafterCache:
     """``DrafterKVCache``'s interface over a preallocated storage: ``append`` writes the new keys at
-    ``pos`` and returns the whole storage; callers always pass a mask over all of it."""
+    ``pos`` and returns the first ``span`` slots (views); callers pass a mask over exactly those."""
 
     growing = False  # fixed shapes: keep torch's sdpa backend choice (drafter.model.attention_backends)
 
@@ -50,6 +54,7 @@ class StaticDrafterCache:
         self.k = torch.zeros(1, kv_heads, length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.pos: torch.Tensor | None = None  # [T] long: slots of the next append
+        self.span = length  # slots the next attention reads (the proposer sets it per call)
 
     @property
     def length(self) -> int:
@@ -58,7 +63,7 @@ class StaticDrafterCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k.index_copy_(2, self.pos, k)
         self.v.index_copy_(2, self.pos, v)
-        return self.k, self.v
+        return self.k[:, :, : self.span], self.v[:, :, : self.span]
 
 
 def capture_graph(fn: Callable[..., object], buf: dict[str, torch.Tensor], device: torch.device):
@@ -95,8 +100,11 @@ class StaticProposer:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = StaticDrafterCache(cfg.num_key_value_heads, max_length, cfg.head_dim, self.dtype, self.device)
         self._keys = torch.arange(max_length, device=self.device)  # [S]
+        self.spans = attention_spans(max_length)  # a step attends over the smallest span holding it
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object] | None] = {}
-        self.captured: list[tuple] = []  # graph keys, in capture order
+        self._steps: dict[tuple, tuple[Callable[..., object], dict[str, torch.Tensor | int], int]] = {}
+        self.captured: list[tuple] = []  # step keys with a graph, in capture order
+        self.graph_keys: list[tuple] = []  # step key + (span,) of every graph, in capture order
         self.capture_errors: dict[str, str] = {}  # graph key -> why its capture failed (that step then runs eagerly)
         self._pad = 1  # commit width after a verify: set by the last draft (K+1 / depth+1)
         self.begin(torch.empty(0))
@@ -115,21 +123,22 @@ class StaticProposer:
         if width > m:  # repeat the last pair: padding rows come after the real ones (module doc)
             ids = torch.cat([ids, ids[-1:].expand(width - m)])
             aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
-        self._fits(self.committed + width, f"a commit of {width}")
         self.hidden = self._call(("extend", width), self._extend,
                                  {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
-                                 graph=self.committed > 0)
+                                 width, f"a commit of {width}", graph=self.committed > 0)
         self.committed += m
 
     @torch.inference_mode()
     def draft_chain(self, k: int, s: Sampling) -> Draft:
         self._pad = k + 1
-        self._fits(self.committed + k, f"a chain of {k} drafts")
+        what = f"a chain of {k} drafts"
         if s.greedy:
             fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
-            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, graph=True)
+            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what, graph=True)
             return Draft(ids, None)  # on the device: the verify reads it without a host sync
-        ids, qs = self._chain_sampled(self.hidden, torch.tensor(self.committed, device=self.device), k, s)
+        fn = lambda hidden, past: self._chain_sampled(hidden, past, k, s)  # noqa: E731
+        ids, qs = self._call(("chain-sampled", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what,
+                             graph=False)  # the sampler's generator lives on the host side: eagerly
         return Draft(ids, qs)
 
     @torch.inference_mode()
@@ -138,13 +147,13 @@ class StaticProposer:
         if topk > self.drafter.config.draft_vocab_size:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
                               f"({self.drafter.config.draft_vocab_size}); lower it")
-        self._fits(self.committed + (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}")
         def fn(hidden, past):  # the expansion, the selection and the verify's layout: one graph
             tree = select_nodes(*self._tree(hidden, past, topk, depth), total_tokens)
             return tree.tokens, tree.parents, tree.depth, tree.visible
 
         key = ("tree", topk, depth, total_tokens)
-        return DraftTree(*self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, graph=True))
+        return DraftTree(*self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, (depth - 1) * topk,
+                                     f"a tree of depth {depth} and top-{topk}", graph=True))
 
     # -- fixed-shape functions: run eagerly or captured ------------------------------------------
     def _extend(self, ids, aux, past, last) -> torch.Tensor:
@@ -152,7 +161,7 @@ class StaticProposer:
         w = ids.shape[0]
         pos = past + torch.arange(w, device=self.device)  # [W] positions = slots
         self.cache.pos = pos
-        mask = (self._keys[None, :] <= pos[:, None])[None, None]  # [1, 1, W, S]: causal over the storage
+        mask = (self._keys[None, : self.cache.span] <= pos[:, None])[None, None]  # [1, 1, W, S]: causal over the span
         d = self.drafter
         out = d(ids[None], d.fuse(aux[None]), pos[None], attention_mask=mask, cache=self.cache)  # [1, W, H]
         return out.index_select(1, last.view(1))
@@ -161,7 +170,7 @@ class StaticProposer:
         """One chain draft step: ``token`` [1] at position/slot ``at`` [] -> [1, 1, H]."""
         pos = at.view(1)
         self.cache.pos = pos
-        mask = (self._keys <= at)[None, None, None]  # [1, 1, 1, S]
+        mask = (self._keys[: self.cache.span] <= at)[None, None, None]  # [1, 1, 1, S]
         return self.drafter(token.view(1, 1), hidden, pos.view(1, 1), attention_mask=mask, cache=self.cache)
 
     def _chain(self, hidden, past, k: int) -> torch.Tensor:
@@ -198,7 +207,7 @@ class StaticProposer:
         frontier_hidden = hidden.expand(1, topk, -1)  # [1, k, H]
         seen = torch.zeros(topk, 0, dtype=torch.bool, device=dev)  # [k, E] earlier expansion keys each row sees
         eye = torch.eye(topk, dtype=torch.bool, device=dev)
-        rel = self._keys - past  # [S] slot relative to the first expansion key
+        rel = self._keys[: self.cache.span] - past  # [S] slot relative to the first expansion key
         count = topk
         for level in range(1, depth):
             visible_new = torch.cat([seen, eye], dim=1)  # [k, level*k] over the expansion slots so far
@@ -223,11 +232,19 @@ class StaticProposer:
         return d.draft_to_target(torch.cat(all_ids)), torch.cat(all_scores), torch.cat(all_parents)
 
     # -- graphs -------------------------------------------------------------------------------
-    def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int], graph: bool):
-        """``fn(**args)``, through the graph of ``key`` when graphs are on (captured on first use);
-        int arguments become 0-d long tensors."""
-        entry = self._graph(key, fn, args) if graph and self.cuda_graphs else None
+    def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int], width: int,
+              what: str, graph: bool):
+        """``fn(**args)`` attending over the smallest span holding the ``width`` slots it writes after
+        the committed ones, through the graph of (``key``, span) when graphs are on (captured on
+        first use); int arguments become 0-d long tensors."""
+        self._fits(self.committed + width, what)
+        span = span_for(self.spans, self.committed + width)
+        entry = None
+        if graph and self.cuda_graphs:
+            self._steps.setdefault(key, (fn, args, width))
+            entry = self._graph(key, span)
         if entry is None:  # eagerly (a prompt's own length): without cuDNN's per-shape plans, as StaticTarget
+            self.cache.span = span
             with sdpa_for_growing_keys(self.device):
                 return fn(**{k: torch.tensor(v, device=self.device) if isinstance(v, int) else v
                              for k, v in args.items()})
@@ -241,32 +258,47 @@ class StaticProposer:
         # Copies: the next replay overwrites the graph's outputs.
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
-    def _graph(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int]):
-        if key not in self._graphs and len(self._graphs) < MAX_DRAFT_GRAPHS:
+    @torch.inference_mode()
+    def capture_spans(self) -> list[tuple]:
+        """Capture every span of every step captured so far (after a warm-up generation per mode, so
+        no capture lands in a timed one); returns the new graph keys."""
+        before = len(self.graph_keys)
+        for key in list(self.captured):
+            width = self._steps[key][2]
+            for span in self.spans:
+                if span >= width:
+                    self._graph(key, span)
+        return self.graph_keys[before:]
+
+    def _graph(self, key: tuple, span: int):
+        if (*key, span) not in self._graphs and (key in self.captured or len(self.captured) < MAX_DRAFT_GRAPHS):
+            fn, args, width = self._steps[key]
             buf = {name: torch.tensor(value, device=self.device) if isinstance(value, int) else value.clone()
                    for name, value in args.items()}
-            # Warm-up and capture write keys into the last slots; what the generation has there is
-            # saved and put back, so a capture in the middle of a generation changes nothing.
-            span = {"extend": lambda: key[1], "chain": lambda: key[1], "tree": lambda: (key[2] - 1) * key[1]}[key[0]]()
-            lo = self.max_length - max(span, 1)
+            # Warm-up and capture write keys into the span's last slots; what the generation has there
+            # is saved and put back, so a capture in the middle of a generation changes nothing.
+            lo = span - max(width, 1)
             buf["past"].fill_(lo)
             if "last" in buf:
                 buf["last"].fill_(0)
-            saved = self.cache.k[:, :, lo:].clone(), self.cache.v[:, :, lo:].clone()
+            saved = self.cache.k[:, :, lo:span].clone(), self.cache.v[:, :, lo:span].clone()
+            self.cache.span = span
             try:
                 graph, out = capture_graph(fn, buf, self.device)
-                self._graphs[key] = (graph, buf, out)
-                self.captured.append(key)
-                log.debug("captured the drafter graph %s", key)
+                self._graphs[(*key, span)] = (graph, buf, out)
+                if key not in self.captured:
+                    self.captured.append(key)
+                self.graph_keys.append((*key, span))
+                log.debug("captured the drafter graph %s over span %d", key, span)
             except RuntimeError as e:  # a kernel that cannot be captured: this step stays eager, said loudly
                 torch.cuda.synchronize(self.device)
-                self._graphs[key] = None
-                self.capture_errors[str(key)] = f"{type(e).__name__}: {e}"
+                self._graphs[(*key, span)] = None
+                self.capture_errors[str((*key, span))] = f"{type(e).__name__}: {e}"
                 log.warning("the drafter step %s could not be captured as a CUDA graph and runs eagerly: %s", key, e)
             finally:
-                self.cache.k[:, :, lo:].copy_(saved[0])
-                self.cache.v[:, :, lo:].copy_(saved[1])
-        return self._graphs.get(key)
+                self.cache.k[:, :, lo:span].copy_(saved[0])
+                self.cache.v[:, :, lo:span].copy_(saved[1])
+        return self._graphs.get((*key, span))
 
     def _fits(self, slots: int, what: str) -> None:
         if slots > self.max_length:
