@@ -68,8 +68,8 @@ def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the ancestor relation closed by squaring the parent-or-self matrix ceil(log2(N+1)) times."""
     n = parents.shape[0] + 1
     up = torch.cat([parents.new_zeros(1), parents + 1])  # root-inclusive parent; the root's own is itself
-    step = torch.eye(n, dtype=torch.float32, device=parents.device)
-    step[torch.arange(1, n, device=parents.device), up[1:]] = 1.0  # row i: i and its parent
+    # Row i: i and its parent (a scalar scatter: no host-to-device copy, which a graph capture refuses).
+    step = torch.eye(n, dtype=torch.float32, device=parents.device).scatter_(1, up[:, None], 1.0)
     reach = step
     for _ in range(max(1, (n - 1).bit_length())):  # paths of up to 2^j edges
         reach = (reach @ reach).clamp_(max=1.0)  # 0/1 entries: exact in any matmul precision
