@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 
 from eagle3_ray.config import RayConfig
@@ -19,6 +20,21 @@ _DEFAULT_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
 # _node_ip_address). Unset, Ray guesses the address of the interface that routes outwards, which
 # is not the node's when nodes are started with --node-ip-address (e.g. several on loopback).
 NODE_IP_ENV = "EAGLE3_RAY_NODE_IP"
+
+
+def _import_ray_data() -> threading.Thread:
+    """Import Ray Data on a thread (seconds), so that it overlaps ray.init's wait for its processes
+    (GCS, raylet, agents): the stages need it right after, init_ray itself for its DataContext."""
+
+    def work() -> None:
+        try:
+            import ray.data  # noqa: F401
+        except Exception:  # noqa: BLE001 (imported again, with its error, by init_ray)
+            pass
+
+    t = threading.Thread(target=work, name="import-ray-data", daemon=True)
+    t.start()
+    return t
 
 
 def _job_env_vars() -> dict[str, str]:
@@ -41,6 +57,7 @@ def init_ray(cfg: RayConfig):
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return ray
+    ray_data = _import_ray_data()
     job_env = _job_env_vars()
     env_vars = {k: v for k, v in {**_DEFAULT_ENV, **cfg.env_vars}.items() if k not in job_env}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
@@ -56,6 +73,9 @@ def init_ray(cfg: RayConfig):
         # tasks and actors the workers it prestarts, and put the runtime-env agent on their start.
         os.environ.update(env_vars)
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, **kwargs)
+    ray_data.join()
+    import ray.data
+
     ray.data.DataContext.get_current().enable_progress_bars = True
     return ray
 
