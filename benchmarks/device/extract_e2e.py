@@ -337,6 +337,14 @@ def _run(a, cfg, cuda, target, seq, job_s, out, work, overrides, say, log) -> in
         if ln.startswith("[extract]") or "Error" in ln:
             say("  " + ln.rstrip())
 
+    # The stage's planning steps (its "extract planning: imports 0.03s, describe_target 2.89s, ..." log line).
+    planning = {}
+    for ln in lines:
+        if "extract planning:" in ln:
+            for part in ln.split("extract planning:", 1)[1].split(","):
+                name, _, secs = part.strip().rpartition(" ")
+                if name and secs.endswith("s"):
+                    planning[name] = float(secs[:-1])
     commits = sorted(rec.seen.values(), key=lambda s: s["mtime"])
     done_tokens = sum(s["tokens"] for s in commits)
     summary_path = store / "summary.json"
@@ -357,6 +365,7 @@ def _run(a, cfg, cuda, target, seq, job_s, out, work, overrides, say, log) -> in
         "first_shard_s_from_launch": first, "last_shard_s_from_launch": last,
         "exit_after_last_shard_s": wall - last if last is not None else None,
         "stage_summary": stage,  # first_shard_s, plan_s, engine_s, steady_tokens_per_s from the stage itself
+        "stage_planning_s": planning,  # plan_s by step (describe_target: the wait for the CLI's describe thread)
         # launch -> run_extract called (Python start, CLI imports and checks, Ray start), from the two clocks
         # of the first shard (its marker's mtime here, its report to the stage's driver there): approximate
         "stage_start_s_from_launch": first - stage["first_shard_s"] if stage.get("first_shard_s") and first else None,
