@@ -144,9 +144,12 @@ def test_tree_paths_move_in_the_storage(tiny):
 
 
 class NoHostSync(TorchDispatchMode):
-    """Fails on every op that reads a device value on the host (a sync, which a CUDA graph cannot hold)."""
+    """Fails on every op that reads a device value on the host (a sync, which a CUDA graph cannot hold),
+    and on every tensor made from host data (``aten.lift_fresh``: ``torch.tensor(...)``, ``t[i] = 1.0``),
+    which on CUDA is a host-to-device copy that a capture refuses."""
 
-    SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+    SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
+             "aten.lift_fresh")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith(self.SYNCS):
@@ -166,16 +169,19 @@ def test_the_graphed_functions_have_no_host_sync(tiny):
     # The drafter's graphed steps: commit of a fixed width, greedy chain, tree expansion.
     proposer = static.proposer(drafter)
     hidden = torch.randn(1, 1, target.config.hidden_size)
+    ten, two, fourteen = torch.tensor(10), torch.tensor(2), torch.tensor(14)  # the graphs' input buffers
     with torch.inference_mode(), NoHostSync():
-        out = proposer._extend(torch.arange(w), aux, torch.tensor(10), torch.tensor(2))
-        chain = proposer._chain(hidden, torch.tensor(14), 3)
-        tokens, scores, parents = proposer._tree(hidden, torch.tensor(14), 3, 4)
+        out = proposer._extend(torch.arange(w), aux, ten, two)
+        chain = proposer._chain(hidden, fourteen, 3)
+        tokens, scores, parents = proposer._tree(hidden, fourteen, 3, 4)
         tree = select_nodes(tokens, scores, parents, 10)  # inside the tree's graph too, with its layout
     assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == (3,)
     assert tokens.shape == scores.shape == parents.shape == (3 + 3 * 9,)
     assert tree.tokens.shape == (10,) and tree.visible.shape == (11, 11)
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the check itself can fail
-        int(torch.tensor(3) + 1)
+        int(torch.arange(3)[1] + 1)
+    with pytest.raises(AssertionError, match="lift_fresh"), NoHostSync():  # a host value copied in
+        torch.zeros(3)[torch.arange(2)] = 1.0
 
 
 def test_smollm2_static_is_greedy(smollm2):
