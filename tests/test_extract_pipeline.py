@@ -208,3 +208,65 @@ def test_describe_in_background_gives_describe_targets_answer_or_its_error(cfg, 
     future = describe_in_background(cfg.target.model_copy(update={"model": f"random:{bad}"}))
     with pytest.raises(TargetLoadError):
         future.result(timeout=300)
+
+
+ENGINE_ACTOR_CLASS = "MapWorker(MapBatches(CaptureWriteUDF))"
+
+
+def _after_an_engine_actor_is_up(answer, timeout=240.0):
+    """A Future, as run_extract's target_info, that resolves to ``answer()`` (or raises its error) only
+    once an engine actor of the stage is up (its constructor, the engine's build, returned)."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    import ray._private.state as ray_state
+
+    fut: Future = Future()
+    earlier = set(ray_state.actors())  # engine actors of earlier runs may still be up
+
+    def work():
+        end = time.monotonic() + timeout
+        while not any(a["ActorClassName"] == ENGINE_ACTOR_CLASS and a["State"] == "ALIVE" and i not in earlier
+                      for i, a in ray_state.actors().items()):
+            if time.monotonic() > end:
+                fut.set_exception(TimeoutError("no engine actor came up while the target was being described"))
+                return
+            time.sleep(0.05)
+        try:
+            fut.set_result(answer())
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+
+    threading.Thread(target=work, daemon=True).start()
+    return fut
+
+
+def test_extract_engine_actors_start_while_the_target_is_described(prepared, cfg, tmp_path):
+    """The engine actors are built while the driver still describes the target (its start-up overlaps
+    the planning), and write only once the driver's checks passed."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.extract.pipeline import START_PREFIX, run_extract
+    from eagle3_ray.features import open_store
+
+    out = tmp_path / "store"
+    summary = run_extract(cfg, prepared[0], out, target_info=_after_an_engine_actor_is_up(
+        lambda: describe_target(cfg.target)))
+    assert summary.run_tokens == summary.tokens == prepared[1].tokens
+    assert summary.plan_s <= summary.engine_ready_s <= summary.checks_s <= summary.first_shard_s
+    assert len(open_store(out)) == prepared[1].samples
+    assert not list(out.glob(START_PREFIX + "*"))  # the run's start file is gone with the run
+
+
+def test_extract_a_failed_check_stops_the_started_engine_actors_before_any_write(prepared, cfg, tmp_path):
+    from eagle3_ray.errors import TargetLoadError
+    from eagle3_ray.extract.pipeline import run_extract
+
+    def fails():
+        raise TargetLoadError("target.model='nowhere': no such model")
+
+    out = tmp_path / "store"
+    with pytest.raises(TargetLoadError, match="nowhere"):
+        run_extract(cfg, prepared[0], out, target_info=_after_an_engine_actor_is_up(fails))
+    assert not (out / "shards").exists() or not any((out / "shards").iterdir())
+    assert not (out / "store_meta.json").exists()

@@ -2,10 +2,12 @@
 
     prepare:  read_samples (driver, quarantines bad lines) -> map_batches(TokenizeUDF) -> kept rows,
               sorted by id -> prepared.parquet (written by a Ray task; the driver reads only counts)
-    extract:  ids the store has finished (one ask) -> preflight -> read_parquet -> drop those ids (one
-              vectorised filter) -> map_batches(CaptureWriteUDF, ActorPoolStrategy): capture, validate,
-              commit one atomic shard per batch in the actor; the summary times the first shard and
-              the steady rate
+    extract:  ids the store has finished (one ask) -> read_parquet -> drop those ids (one vectorised
+              filter) -> map_batches(CaptureWriteUDF, ActorPoolStrategy): capture, validate, commit
+              one atomic shard per batch in the actor; the engine actors start (and build their
+              engines) while the driver describes the target and runs the store / disk / shared-storage
+              checks, and write nothing before those pass (the run's start file); the summary times
+              the first shard and the steady rate
 
 Every stage writes its resolved config and a summary.json next to its outputs and resumes where it
 stopped: prepare is atomic (all or nothing), extract skips samples already committed to the store.
@@ -17,6 +19,8 @@ import json
 import logging
 import math
 import os
+import queue
+import secrets
 import shutil
 import threading
 import time
@@ -224,6 +228,9 @@ class ExtractSummary:
     # This run's timeline, from the stage's start (run_extract called); None where it committed nothing.
     run_tokens: int = 0  # tokens this run committed (tokens counts the whole store)
     plan_s: float | None = None  # driver planning done, the dataset's execution (and engine actors) starting
+    # The driver's checks done (target described, store created or checked, disk, shared storage): the
+    # engine actors, starting since plan_s, may write from then on (the part of the start-up overlapped).
+    checks_s: float | None = None
     # The first engine actor's start-up, on its clock against the driver's (negative: before the stage
     # started, e.g. a worker process Ray had started in advance): its process started, its constructor
     # entered (the process imported Ray Data and the stage's modules), the engine's modules (torch) imported.
@@ -262,6 +269,7 @@ class _Timeline:
     t0: float
     t0_wall: float = 0.0  # time.time() at t0: engine actors report when they were ready on that clock
     plan: float | None = None
+    checks: float | None = None
     first: float | None = None
     last: float | None = None
     tokens: int = 0  # every committed token of this run
@@ -294,7 +302,7 @@ class _Timeline:
         span = (self.last - self.first) if self.first is not None else 0.0
         at = {f"actor_{k[:-3]}_s": round(self.actor_at[k] - self.t0_wall, 2) if k in self.actor_at else None
               for k in ACTOR_STARTS}
-        return {"run_tokens": self.tokens, "plan_s": since(self.plan), **at,
+        return {"run_tokens": self.tokens, "plan_s": since(self.plan), "checks_s": since(self.checks), **at,
                 "engine_s": None if self.engine_s is None else round(self.engine_s, 2),
                 "engine_ready_s": None if self.ready_at is None else round(self.ready_at - self.t0_wall, 2),
                 "first_shard_s": since(self.first),
@@ -332,12 +340,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
     steps = _Steps()
     import ray
 
-    from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.udfs import CaptureWriteUDF
-    from eagle3_ray.features.preflight import check_disk
-    from eagle3_ray.features.store import StoreMeta, cleanup_orphans, create_store, finished
     from eagle3_ray.features.record import bytes_per_token
-    from eagle3_ray.ray_session import check_shared_dir
+    from eagle3_ray.features.store import cleanup_orphans, finished
     from eagle3_ray.progress import RateMeter
 
     steps("imports")
@@ -347,21 +352,21 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
     if src is None:
         raise DataError(f"{prepared} is not a prepared dataset; run `eagle3-ray prepare` first")
     out = Path(out)
-    info = target_info.result() if target_info is not None else describe_target(cfg.target)
-    steps("describe_target")
-    # Creating (or re-opening) the store checks its metadata against this target before any work.
-    meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
-    create_store(out, meta)
-    save_resolved(cfg, out)
-    removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
-    if removed:
-        say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
-    steps("store")
-
+    if target_info is None:  # described on a thread while the dataset and its engine actors start
+        target_info = describe_in_background(cfg.target)
+    # What the dataset needs, read before the target's description: the ids and lengths to do. The
+    # engine actors start with it and build their engines while the driver describes the target and
+    # checks the store, the disk and the shared storage; they write nothing before those checks pass
+    # (CaptureWriteUDF waits for the run's start file; a failed check aborts them).
     table = pq.read_table(src, columns=["sample_id", "num_tokens"])
     all_ids = table.column("sample_id")
     lengths = table.column("num_tokens").to_numpy()
     steps("read_ids")
+    removed = cleanup_orphans(out)  # shards of a crashed run that never got their completion marker
+    if removed:
+        say(f"[extract] removed {len(removed)} incomplete shard(s) left by an interrupted run")
+    for stale in out.glob(START_PREFIX + "*") if out.is_dir() else ():  # an earlier run's, stopped
+        stale.unlink(missing_ok=True)
     done = finished(out, all_ids.to_pylist())  # bool [N]: committed or rejected by an earlier run
     todo = ~done
     steps("finished")
@@ -370,15 +375,13 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
     if skipped:
         say(f"[extract] resuming: {skipped} samples already in {out}, {int(todo.sum())} to go")
     if not todo.any():
+        _check_store(cfg, out, target_info.result(), todo_tokens=0)
         return _finish_extract(out, timeline, skipped, 0)
-    check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
-    steps("check_disk")
-    check_shared_dir(out, "--out (the feature store)")  # engine actors on every node write their shards there
-    steps("check_shared_dir")
 
     concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
     mean_len = max(1.0, float(lengths[todo].mean()))
     rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
+    start_file = out / f"{START_PREFIX}{secrets.token_hex(8)}.json"
     # A StoreError (disk full) or EngineError raised in the engine actor must reach the caller as itself,
     # not as Ray Data's UserCodeException, whose only trace of it is the remote traceback text.
     ray.data.DataContext.get_current().raise_original_map_exception = True
@@ -396,7 +399,8 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
     ds = ds.map_batches(
         CaptureWriteUDF,
         fn_constructor_kwargs=dict(
-            target=cfg.target, batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=meta, run=cfg.name,
+            target=cfg.target, batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=None, run=cfg.name,
+            start_file=str(start_file),
         ),
         compute=ray.data.ActorPoolStrategy(
             min_size=cfg.extract.num_actors,
@@ -412,26 +416,85 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         batch_format="numpy",
     )
     steps("dataset")
+    results = _iterate_in_background(ds)  # the dataset's execution (and the engine actors) start now
+    timeline.plan = time.monotonic()
+    try:
+        info = target_info.result()
+        steps("describe_target")
+        _check_store(cfg, out, info, todo_tokens)
+        steps("checks")
+    except BaseException as e:
+        _write_start(start_file, go=False, reason=f"{type(e).__name__}: {e}")
+        raise
+    _write_start(start_file, go=True)
+    timeline.checks = last = time.monotonic()
     log.info("extract planning: %s", steps.line())
     meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
-    timeline.plan = last = time.monotonic()
     actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
-    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-        _note_actors(actors, batch)
-        ok = batch["status"] == "ok"
-        engine_s, ready_at = batch.get("engine_s"), batch.get("engine_ready_at")
-        timeline.batch(int(batch["num_tokens"][ok].sum()),
-                       float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None,
-                       float(np.min(ready_at)) if ready_at is not None and len(ready_at) else None,
-                       {k: float(np.min(batch[k])) for k in ACTOR_STARTS if k in batch and len(batch[k])})
-        meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
-                     nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size, cfg.extract.compact),
-                     rejected=int((batch["status"] == "rejected").sum()))
-        if time.monotonic() - last > 10:
-            say(meter.line())
-            last = time.monotonic()
+    try:
+        while (batch := results.get()) is not _END:
+            if isinstance(batch, BaseException):
+                raise batch
+            _note_actors(actors, batch)
+            ok = batch["status"] == "ok"
+            engine_s, ready_at = batch.get("engine_s"), batch.get("engine_ready_at")
+            timeline.batch(int(batch["num_tokens"][ok].sum()),
+                           float(np.max(engine_s)) if engine_s is not None and len(engine_s) else None,
+                           float(np.min(ready_at)) if ready_at is not None and len(ready_at) else None,
+                           {k: float(np.min(batch[k])) for k in ACTOR_STARTS if k in batch and len(batch[k])})
+            meter.update(samples=int(ok.sum()), tokens=int(batch["num_tokens"][ok].sum()),
+                         nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size,
+                                                                                     cfg.extract.compact),
+                         rejected=int((batch["status"] == "rejected").sum()))
+            if time.monotonic() - last > 10:
+                say(meter.line())
+                last = time.monotonic()
+    finally:
+        start_file.unlink(missing_ok=True)
     say(meter.line())
     return _finish_extract(out, timeline, skipped, meter.rejected)
+
+
+START_PREFIX = ".extract-start-"  # the run's start file in the store (see _write_start)
+_END = object()  # _iterate_in_background: the dataset is done
+
+
+def _check_store(cfg: PipelineConfig, out: Path, info, todo_tokens: int) -> None:
+    """The driver's checks before any engine actor writes: create (or check against this target) the
+    store, save the resolved config, and, with tokens to do, the disk and the shared storage."""
+    from eagle3_ray.features.preflight import check_disk
+    from eagle3_ray.features.store import StoreMeta, create_store
+    from eagle3_ray.ray_session import check_shared_dir
+
+    # Creating (or re-opening) the store checks its metadata against this target before any work.
+    create_store(out, StoreMeta.from_engine_info(info, compact=cfg.extract.compact))
+    save_resolved(cfg, out)
+    if todo_tokens:
+        check_disk(out, todo_tokens, info.hidden_size, margin=cfg.extract.disk_margin, compact=cfg.extract.compact)
+        check_shared_dir(out, "--out (the feature store)")  # engine actors on every node write their shards there
+
+
+def _write_start(path: Path, go: bool, reason: str = "") -> None:
+    """Tell the run's engine actors (waiting in CaptureWriteUDF) to write, or to stop with ``reason``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"go": go, "reason": reason}, newline=False)
+
+
+def _iterate_in_background(ds) -> "queue.Queue":
+    """Run ``ds.iter_batches`` on a daemon thread, from now: a queue of its batches, then _END, or the
+    exception that ended it."""
+    results: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        try:
+            for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+                results.put(batch)
+            results.put(_END)
+        except BaseException as e:  # noqa: BLE001 (raised again by the caller, as itself)
+            results.put(e)
+
+    threading.Thread(target=pump, name="extract-results", daemon=True).start()
+    return results
 
 
 def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
@@ -477,6 +540,6 @@ def _finish_extract(out: Path, timeline: _Timeline, skipped: int, rejected: int)
             engine += (f" (its process started at {summary.actor_process_s}s, its constructor at "
                        f"{summary.actor_init_s}s, the engine's modules imported at {summary.actor_imported_s}s)")
         say(f"[extract] this run: {summary.run_tokens:,} tokens; first shard after {summary.first_shard_s}s "
-            f"(planning {summary.plan_s}s{engine}); {summary.run_tokens / seconds:,.0f} tokens/s end to end, "
+            f"(planning {summary.plan_s}s, the driver's checks done at {summary.checks_s}s{engine}); {summary.run_tokens / seconds:,.0f} tokens/s end to end, "
             f"{steady} tokens/s after the first shard")
     return summary

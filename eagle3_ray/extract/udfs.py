@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +205,7 @@ def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 # Fault-injection tests only: while the file this names exists, an engine actor waits after
 # committing each batch, so a test can hold a run mid-way (a node joins, a node dies) without timing.
 HOLD_ENV = "EAGLE3_EXTRACT_HOLD"
+START_POLL_S = 0.05  # CaptureWriteUDF: how often a call looks for the run's start file
 
 
 def _ray_placement() -> tuple[dict[str, str] | None, str]:
@@ -251,7 +253,11 @@ class CaptureWriteUDF:
     (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
     """
 
-    def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta, run: str = ""):
+    def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta | None,
+                 run: str = "", start_file: str | None = None):
+        """``meta``: the store's; None with ``start_file``: the store's metadata is read once the driver
+        has written ``start_file`` (it created or checked the store meanwhile, while this engine was
+        built), and nothing is captured or written before; ``{"go": false}`` there stops the call."""
         # The actor's start-up on the wall clock, for the stage's breakdown: its process started,
         # this constructor entered, the engine modules (torch) imported.
         self.started_at = (_process_start(), time.time())
@@ -264,11 +270,35 @@ class CaptureWriteUDF:
         # Reported with every row, for the stage's start-up breakdown: the build's seconds, and when
         # it ended (wall clock: the driver compares it with its own start, on the same node or an NTP'd one).
         self.engine_s, self.ready_at = time.monotonic() - t0, time.time()
-        if self.engine.info.hidden_size != meta.hidden_size:
-            raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
-        self.root, self.meta = root, meta
+        self.root, self.meta, self.start_file = root, None, start_file
+        self._started = threading.Lock()
+        if meta is not None:
+            self._take_meta(meta)
+        elif start_file is None:
+            raise ValueError("CaptureWriteUDF needs the store's meta or the run's start_file")
         self.node, self.actor = _ray_placement()
         self.hold = os.environ.get(HOLD_ENV)
+
+    def _take_meta(self, meta: StoreMeta) -> None:
+        if self.engine.info.hidden_size != meta.hidden_size:
+            raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
+        self.meta = meta
+
+    def _await_start(self) -> None:
+        """Block until the driver's checks are done (its start file), then take the store's metadata."""
+        from eagle3_ray.errors import StoreError
+        from eagle3_ray.features.store import read_meta
+
+        with self._started:  # concurrent calls: one reads, the others find self.meta set
+            if self.meta is not None:
+                return
+            while not os.path.exists(self.start_file):
+                time.sleep(START_POLL_S)
+            with open(self.start_file, encoding="utf-8") as f:
+                start = json.load(f)
+            if not start.get("go"):
+                raise StoreError(f"the extract run was stopped before it wrote anything: {start.get('reason')}")
+            self._take_meta(read_meta(self.root))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -276,6 +306,7 @@ class CaptureWriteUDF:
         from eagle3_ray.errors import SampleRejected
         from eagle3_ray.features.store import FeatureStoreWriter, batch_committed
 
+        self._await_start()
         sids = [str(s) for s in batch["sample_id"]]
         ids = [np.array(a, dtype=np.int32) for a in batch["input_ids"]]  # writable: torch.from_numpy below
         wid = "b" + hashlib.sha1("\n".join(sids).encode()).hexdigest()[:16]
