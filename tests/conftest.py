@@ -76,7 +76,7 @@ def pytest_make_collect_report(collector):
 # (make test-fast) every Ray started by a test lands in a temp dir of its own, checked per test,
 # so an unmarked test that starts Ray fails instead of slowing the inner loop down.
 RAY_FIXTURES = {"ray_local", "local_head", "submitted_pipeline_job", "ci_tiny_prepared", "ci_tiny_inputs",
-                "ci_tiny_run"}
+                "ci_tiny_run", "ci_tiny_fp8_pair", "trained_4_steps"}
 _FAST = os.environ.get("EAGLE3_TEST_FAST") == "1"
 if _FAST:
     import tempfile
@@ -156,6 +156,37 @@ def ci_tiny_inputs(ci_tiny_prepared):
     run_extract(two, root / "prepare", root / "features")
     run_vocab(cfg, root / "features", root / "vocab")
     return root
+
+
+@pytest.fixture(scope="session")
+def ci_tiny_fp8_pair(ci_tiny_inputs, tmp_path_factory):
+    """(fp8 store, bf16 store): the session's ci-tiny features copied into an fp8 store, and that fp8
+    store copied back into a bf16 store (exactly its dequantized values). Read only."""
+    from eagle3_ray.features import open_store
+    from test_compact_train import copy_store
+
+    root = tmp_path_factory.mktemp("fp8_pair")
+    copy_store(open_store(ci_tiny_inputs / "features"), root / "fp8", "fp8")
+    copy_store(open_store(root / "fp8"), root / "bf16", "none")
+    return root / "fp8", root / "bf16"
+
+
+@pytest.fixture(scope="session")
+def trained_4_steps(ci_tiny_inputs, ci_tiny_fp8_pair, tmp_path_factory):
+    """One 4-step ci-tiny training on two gloo workers at the Kimi preset's ZeRO stage with a held-out
+    share (test_train.py's TRAIN_4) on the bf16 store of ``ci_tiny_fp8_pair``: test_train.py's
+    two-worker, ZeRO, checkpoint, resume, export and held-out tests inspect it, and
+    test_compact_train.py trains the fp8 store alike and compares (a Ray Train run costs ~30-60 s
+    here). Returns (out, final checkpoint name relative to out, the store trained on); tests work on
+    copies of ``out``."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.train.trainer import run_training
+    from test_train import CI_CONFIG, TRAIN_4
+
+    features = ci_tiny_fp8_pair[1]
+    out = tmp_path_factory.mktemp("trained_4_steps") / "train"
+    ckpt = run_training(load_config(CI_CONFIG, TRAIN_4), features, ci_tiny_inputs / "vocab", out)
+    return out, ckpt.relative_to(out), features
 
 
 @pytest.fixture(scope="session")

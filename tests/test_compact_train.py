@@ -178,31 +178,44 @@ def test_fp8_packs_through_ray_data_and_prefetch_match_the_host_dequant_path(ray
 # ---------------------------------------------------------------- training end to end
 
 
-def _copy_store(src, root: Path, compact: str) -> None:
-    """Every record of ``src`` (bf16 as read) into a new store of format ``compact``."""
+def copy_store(src, root: Path, compact: str) -> None:
+    """Every record of ``src`` (bf16 as read) into a new store of format ``compact``, in store order
+    (conftest.py's ``ci_tiny_fp8_pair``)."""
     meta = StoreMeta.from_dict({**src.meta.to_dict(), "compact": compact})
     with FeatureStoreWriter(root, meta, "w0") as w:
         for rec in src:
             w.add(rec)
 
 
-def test_training_on_an_fp8_store_sees_the_batches_of_its_dequantized_copy(ci_tiny_inputs, tmp_path):
-    """Train (with held-out evaluation) on an fp8 store and on a bf16 store holding exactly its
-    dequantized values: the same batches reach the step, so the same losses come out."""
+def test_the_fp8_pair_holds_the_same_samples_and_dequantized_values(ci_tiny_inputs, ci_tiny_fp8_pair):
+    fp8, bf16 = (open_store(d) for d in ci_tiny_fp8_pair)
+    src = open_store(ci_tiny_inputs / "features")
+    assert fp8.meta.compact == "fp8" and bf16.meta.compact == "none"
+    assert fp8.sample_ids == bf16.sample_ids == src.sample_ids  # store order kept: the same pack plans
+    for i in range(len(src)):
+        a, b = fp8[i], bf16[i]
+        assert list(a) == list(b) and a["sample_id"] == b["sample_id"] == src.sample_ids[i]
+        for k in (AUX_HIDDEN, LAST_HIDDEN, "input_ids", "loss_mask"):
+            assert torch.equal(_bits(a[k]), _bits(b[k])), (i, k)
+
+
+def test_training_on_an_fp8_store_sees_the_batches_of_its_dequantized_copy(ci_tiny_inputs, ci_tiny_fp8_pair,
+                                                                          trained_4_steps, tmp_path):
+    """Train (two workers at ZeRO-2, with held-out evaluation) on an fp8 store as conftest.py's
+    ``trained_4_steps`` trained on a bf16 store holding exactly its dequantized values: the same
+    batches reach the step, so the same losses come out."""
     from eagle3_ray.config import load_config
     from eagle3_ray.train.trainer import run_training
+    from test_train import CI_CONFIG, TRAIN_4
 
-    _copy_store(open_store(ci_tiny_inputs / "features"), tmp_path / "fp8", "fp8")
-    _copy_store(open_store(tmp_path / "fp8"), tmp_path / "bf16", "none")
-    cfg = load_config("configs/ci-tiny.yaml", ["train.max_steps=2", "train.log_every=1", "train.val_share=0.25",
-                                               "train.eval_every=2", "train.checkpoint_every=2"])
-    metrics = {}
-    for name in ("fp8", "bf16"):
-        run_training(cfg, tmp_path / name, ci_tiny_inputs / "vocab", tmp_path / f"out-{name}")
-        lines = (tmp_path / f"out-{name}" / "metrics.jsonl").read_text().splitlines()
-        metrics[name] = [json.loads(line) for line in lines]
-    assert [m["step"] for m in metrics["fp8"]] == [1, 2]
+    fp8, bf16 = ci_tiny_fp8_pair
+    bf16_out, _, trained_on = trained_4_steps
+    assert trained_on == bf16
+    run_training(load_config(CI_CONFIG, TRAIN_4), fp8, ci_tiny_inputs / "vocab", tmp_path / "out-fp8")
+    metrics = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+               for name, out in (("fp8", tmp_path / "out-fp8"), ("bf16", bf16_out))}
+    assert [m["step"] for m in metrics["fp8"]] == [1, 2, 3, 4]
     keys = ("loss", "tau", "acc_0", "val_loss", "val_tau", "train_tokens")
     pick = lambda ms: [{k: m.get(k) for k in keys} for m in ms]  # noqa: E731
     assert pick(metrics["fp8"]) == pick(metrics["bf16"])
-    assert metrics["fp8"][-1]["val_tokens"] > 0
+    assert metrics["fp8"][-1]["val_tokens"] > 0 and metrics["fp8"][-1]["val_loss"] is not None

@@ -18,7 +18,8 @@ CI_CONFIG = "configs/ci-tiny.yaml"
 ZERO_STAGE = load_config("configs/kimi-k2.5.yaml").train.zero_stage
 # One 4-step ci-tiny training on two gloo workers at that stage, with a held-out share, serves the
 # two-worker, ZeRO, checkpoint, resume, export and held-out tests (each inspects another aspect of
-# the same run; a Ray Train run costs ~30-40 s here). Two ranks: with one, ZeRO's gradient and
+# the same run; a Ray Train run costs ~30-40 s here) and test_compact_train.py's fp8 comparison:
+# conftest.py's session fixture `trained_4_steps`. Two ranks: with one, ZeRO's gradient and
 # optimizer-state partitions would be the whole model.
 TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
            "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}"]
@@ -28,11 +29,11 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _pack_tokens(cfg, ci_tiny_inputs, tmp_path) -> dict[str, int]:
+def _pack_tokens(cfg, features, ci_tiny_inputs, tmp_path) -> dict[str, int]:
     """Sample tokens of every training pack of the plan, by pack key."""
     from eagle3_ray.train.trainer import plan_training
 
-    packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)[1]
+    packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path)[1]
     return {p.key: p.tokens for p in packs}
 
 
@@ -122,10 +123,9 @@ def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci
     from eagle3_ray.train.checkpoint import read_train_state
     from eagle3_ray.train.trainer import plan_training
 
-    out, ckpt = trained_4_steps
+    out, ckpt, features = trained_4_steps
     cfg = load_config(CI_CONFIG, TRAIN_4)
-    job, packs, store, val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab",
-                                                 tmp_path / "plan")
+    job, packs, store, val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "plan")
     held = {i for p in val_packs for i in p.samples}
     assert len(held) == round(0.25 * len(store)) and job.val_packs == len(val_packs)
     assert not held & {i for p in packs for i in p.samples}
@@ -146,21 +146,9 @@ def test_online_training_refuses_a_held_out_share(tmp_path):
         run_online_training(cfg, tmp_path / "prepared", tmp_path / "vocab", tmp_path / "out")
 
 
-@pytest.fixture(scope="module")
-def trained_4_steps(ci_tiny_inputs, tmp_path_factory):
-    """(out, final checkpoint name) of one 4-step ci-tiny training on two workers (TRAIN_4); tests
-    work on copies of `out`."""
-    from eagle3_ray.train.trainer import run_training
-
-    out = tmp_path_factory.mktemp("trained_4_steps") / "train"
-    cfg = load_config(CI_CONFIG, TRAIN_4)
-    ckpt = run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
-    return out, ckpt.relative_to(out)
-
-
 def _copy_run(trained, dest):
     """A copy of a finished training --out (a rerun there resumes from its checkpoint): (out, ckpt)."""
-    out, ckpt = trained
+    out, ckpt, _ = trained
     return shutil.copytree(out, dest), dest / ckpt
 
 
@@ -182,14 +170,15 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
         assert key in m and m[key] == m[key]
     # Training tokens: the sample tokens of every pack trained on, both ranks, on every row (the
     # held-out rows too), growing by two packs per step; the checkpoint keeps the count.
-    tokens = _pack_tokens(load_config(CI_CONFIG, TRAIN_4), ci_tiny_inputs, tmp_path / "plan")
+    features = trained_4_steps[2]
+    tokens = _pack_tokens(load_config(CI_CONFIG, TRAIN_4), features, ci_tiny_inputs, tmp_path / "plan")
     assert m["train_tokens"] == sum(tokens[k] for k in consumed_packs(ckpt)) == state["train_tokens"]
     counts = [r["train_tokens"] for r in _metrics(out)]
     assert all(b - a >= 2 * min(tokens.values()) for a, b in zip([0, *counts], counts))
 
     # Rerun the same command with a larger budget: it resumes at step 4 and continues.
     more = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=6"])
-    ckpt2 = run_training(more, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
+    ckpt2 = run_training(more, features, ci_tiny_inputs / "vocab", out)
     assert read_train_state(ckpt2)["step"] == 6
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert consumed_packs(ckpt2) > consumed_packs(ckpt)
@@ -212,7 +201,7 @@ def test_resume_refuses_a_checkpoint_from_another_config(trained_4_steps, ci_tin
     out, _ = _copy_run(trained_4_steps, tmp_path / "train")
     other = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=2", "train.batch_tokens=300"])
     with pytest.raises(CheckpointError, match="batch_tokens"):
-        run_training(other, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out)
+        run_training(other, trained_4_steps[2], ci_tiny_inputs / "vocab", out)
 
 
 def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_steps, ci_tiny_inputs, tmp_path):
@@ -223,7 +212,7 @@ def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_step
     from eagle3_ray.train.trainer import plan_training
 
     assert ZERO_STAGE >= 2, "the preset's stage partitions gradients; ZeRO-1 is covered by one-worker runs"
-    out, ckpt = trained_4_steps
+    out, ckpt, features = trained_4_steps
     ckpt = out / ckpt
     cfg = load_config(CI_CONFIG, TRAIN_4)
     state = read_train_state(ckpt)
@@ -236,7 +225,7 @@ def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_step
     assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in lines)
     # The held-out packs are split over the two ranks and their sums added: every token counted once,
     # at every evaluation.
-    val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "plan")[3]
+    val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "plan")[3]
     assert [m["val_tokens"] for m in lines if "val_tokens" in m] == [sum(p.tokens for p in val_packs)] * 2
 
     # The gathered weights moved from their seeded initialisation, by optimizer-sized steps.
