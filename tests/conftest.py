@@ -191,8 +191,9 @@ def trained_4_steps(ci_tiny_inputs, ci_tiny_fp8_pair, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ci_tiny_run(tmp_path_factory):
-    """ci-tiny's whole `eagle3-ray run`, stopped hard mid-training and rerun to the end (one run for
-    the session: test_fault_injection.py checks the resume, test_run_pipeline.py the outputs)."""
+    """ci-tiny's whole `eagle3-ray run`, its training worker killed once (Ray Train restarts it), then
+    stopped hard mid-training and rerun to the end (one run for the session: test_fault_injection.py
+    checks the restart and the resume, test_run_pipeline.py the outputs)."""
     from test_fault_injection import stopped_and_rerun
 
     return stopped_and_rerun(tmp_path_factory)

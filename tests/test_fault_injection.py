@@ -2,10 +2,13 @@
 
 1. An extraction engine actor (Ray Data ``MapWorker(MapBatches(CaptureWriteUDF))``) is killed once the
    first shard is committed: the run finishes with every sample exactly once in the store.
-2. A Ray Train worker (``RayTrainWorker``) is killed after the first checkpoint: training restarts
-   from that checkpoint by itself, with its step counter, LR schedule and data position.
-3. The whole ``eagle3-ray run`` is killed mid-training and rerun: finished stages are skipped,
-   training resumes at its step, and the benchmark measures only the categories it lacks.
+2. A Ray Train worker (``RayTrainWorker``) of a whole ``eagle3-ray run`` is killed after the first
+   checkpoint: training restarts from that checkpoint by itself, with its step counter, LR schedule
+   and data position.
+3. That run is then killed whole mid-training and rerun: finished stages are skipped, training
+   resumes at its step, and the benchmark measures only the categories it lacks.
+(2 and 3 are one run, conftest.py's ``ci_tiny_run``: a CLI run costs a Ray start and every stage's
+actors, so the faults share it.)
 
 Victims are found among this test's own descendant processes by their Ray process title, so a
 concurrent Ray of someone else is never touched.
@@ -153,46 +156,41 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_inputs, tmp_path):
-    from eagle3_ray.train.checkpoint import consumed_packs, read_train_state
-    from eagle3_ray.train.trainer import run_training
+def _restarts(steps: list[int]) -> list[int]:
+    """Indices of a step log where training started again (a step not above the one before)."""
+    return [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
 
-    steps, every = 12, 4
-    cfg = load_config(CI_CONFIG, [f"train.max_steps={steps}", f"train.checkpoint_every={every}", "train.log_every=1",
-                                  "train.epochs=8", "train.max_failures=2"])
-    out = tmp_path / "train"
-    run = Background(lambda: run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", out))
-    # a step logged after the first checkpoint's report: that checkpoint is registered
-    _wait_for("a step past the first checkpoint", lambda: any(m["step"] > every + 1 for m in _metrics(out)),
-              run.alive)
-    workers = _descendants("ray::RayTrainWorker")
-    logged_at_kill = max(m["step"] for m in _metrics(out))
-    killed = _kill(workers)
-    assert len(killed) == 1 and run.alive() and logged_at_kill < steps, "the fault must land mid-training"
 
-    final = run.join()
-    state = read_train_state(final)
-    assert state["step"] == steps
-    logged = _metrics(out)
-    seq = [m["step"] for m in logged]
-    restarts = [i for i in range(1, len(seq)) if seq[i] <= seq[i - 1]]
-    assert len(restarts) == 1, f"exactly one restart expected in the step log {seq}"
+def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_run):
+    from eagle3_ray.train.checkpoint import consumed_packs, latest_checkpoint, read_train_state
+
+    r = ci_tiny_run
+    steps, every = 12, r["checkpoint_every"]
+    assert len(r["worker_killed"]) == 1 and r["logged_at_worker_kill"] < steps, "the fault must land mid-training"
+    logged = _metrics(r["out"] / "train")
+    first = logged[:r["lines_at_stop"]]  # the first run's steps: the worker kill and the restart
+    seq = [m["step"] for m in first]
+    restarts = _restarts(seq)
+    assert len(restarts) == 1, f"exactly one restart expected in the first run's step log {seq}"
     i = restarts[0]
     resumed_from = seq[i] - 1
     assert resumed_from >= every and resumed_from % every == 0, f"resumed at step {resumed_from}, not a checkpoint"
-    assert seq[:i] == list(range(1, seq[i - 1] + 1)) and seq[i:] == list(range(resumed_from + 1, steps + 1))
+    assert resumed_from <= r["logged_at_worker_kill"]
+    assert seq[:i] == list(range(1, seq[i - 1] + 1)) and seq[i:] == list(range(resumed_from + 1, seq[-1] + 1))
+    assert f"[train] resumed at step {resumed_from}" in r["first_log"]
     # The LR schedule (DeepSpeed scheduler state) continues exactly where the checkpoint left it.
-    before = {m["step"]: m for m in logged[:i]}
+    before = {m["step"]: m for m in first[:i]}
     after = {m["step"]: m for m in logged[i:]}
     for s in set(before) & set(after):
         assert after[s]["lr"] == pytest.approx(before[s]["lr"], rel=1e-6)
-    # Data position: one pack per step over the whole run, none consumed twice across the restart.
-    assert len(consumed_packs(final)) == steps
-    loss_first = logged[0]["loss"]
+    # Data position: one pack per step over the whole run, none consumed twice across the restarts.
+    final = latest_checkpoint(r["out"] / "train")
+    assert read_train_state(final)["step"] == steps and len(consumed_packs(final)) == steps
     assert all(m["loss"] == m["loss"] for m in logged)
-    FAULTS["train worker SIGKILL"] = {"killed_pids": killed, "step_logged_at_kill": logged_at_kill,
-                                      "resumed_from_step": resumed_from, "final_step": state["step"],
-                                      "loss_step1": loss_first, "loss_after_resume": after[resumed_from + 1]["loss"],
+    FAULTS["train worker SIGKILL"] = {"killed_pids": r["worker_killed"],
+                                      "step_logged_at_kill": r["logged_at_worker_kill"],
+                                      "resumed_from_step": resumed_from, "final_step": steps,
+                                      "loss_step1": logged[0]["loss"], "loss_after_resume": first[i]["loss"],
                                       "packs_consumed": len(consumed_packs(final))}
 
 
@@ -230,33 +228,51 @@ def _finish(proc: subprocess.Popen, log: Path) -> str:
 
 
 def stopped_and_rerun(tmp_path_factory) -> dict:
-    """ci-tiny's whole ``eagle3-ray run`` (a CLI process with its own local Ray, as a user's run),
-    SIGKILLed with its Ray after the first training checkpoint, then rerun to the end. Run once per
-    session (conftest.py's ``ci_tiny_run``): the fault test below checks the resume, and
-    test_run_pipeline.py checks the finished run's outputs."""
+    """ci-tiny's whole ``eagle3-ray run`` (a CLI process with its own local Ray, as a user's run) with
+    two faults, then rerun to the end:
+
+    1. once a step past the first training checkpoint is logged, its Ray Train worker is SIGKILLed:
+       Ray Train restarts the worker group from that checkpoint by itself (train.max_failures);
+    2. once the restarted group has logged a step, the whole run is SIGKILLed with its Ray.
+
+    Run once per session (conftest.py's ``ci_tiny_run``): the fault tests above and below check the
+    restart and the resume, test_run_pipeline.py the finished run's outputs."""
     from eagle3_ray.train.checkpoint import latest_checkpoint, read_train_state
 
     tmp = tmp_path_factory.mktemp("whole_run")
     out = tmp / "run"
+    every = 4
     # lr 1e-2: within 12 steps the drafter learns enough of the random target to be accepted more often
     # than the untrained one (test_run_pipeline.py compares them)
-    overrides = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1", "train.lr=0.01")
+    overrides = ("train.max_steps=12", f"train.checkpoint_every={every}", "train.log_every=1", "train.lr=0.01")
     first = _start_run(out, tmp / "first.log", *overrides)
+    alive = lambda: first.poll() is None  # noqa: E731
     try:
         # A step logged after the first checkpoint: its report returned, so Ray Train finished copying
-        # it to storage. (Stopping as soon as train_state.json shows up could land mid-copy and leave
-        # a newest checkpoint with truncated DeepSpeed files, which the rerun cannot load.)
+        # it to storage and registered it. (Stopping as soon as train_state.json shows up could land
+        # mid-copy and leave a newest checkpoint with truncated DeepSpeed files.)
         _wait_for("a step past the first training checkpoint",
-                  lambda: any(m["step"] > 4 for m in _metrics(out / "train")),
-                  lambda: first.poll() is None, poll_s=0.1)
+                  lambda: any(m["step"] > every for m in _metrics(out / "train")), alive, poll_s=0.1)
+        run_tree = psutil.Process(first.pid)
+        workers = _wait_for("the Ray Train worker", lambda: _descendants("ray::RayTrainWorker", run_tree), alive)
+        logged = _metrics(out / "train")
+        worker_killed = _kill(workers)
+        assert alive(), "the fault must land mid-run"
+        # The restarted worker group logs a step again (at or below the last one logged before the kill).
+        _wait_for("a step of the restarted workers",
+                  lambda: any(i >= len(logged) for i in _restarts([m["step"] for m in _metrics(out / "train")])),
+                  alive, poll_s=0.1)
         shards_before = sorted(p.name for p in (out / "features" / "shards").iterdir())
     finally:
         _stop_hard(first)
     done_before_rerun = (out / "train" / "_DONE.json").exists()
     stopped_at = read_train_state(latest_checkpoint(out / "train" / "ray_train"))["step"]
+    lines_at_stop = len(_metrics(out / "train"))
     log = _finish(_start_run(out, tmp / "second.log", *overrides), tmp / "second.log")
     return {"out": out, "overrides": overrides, "log": log, "shards_before": shards_before,
-            "stopped_at": stopped_at, "train_done_before_rerun": done_before_rerun}
+            "stopped_at": stopped_at, "train_done_before_rerun": done_before_rerun, "checkpoint_every": every,
+            "worker_killed": worker_killed, "logged_at_worker_kill": max(m["step"] for m in logged),
+            "lines_at_stop": lines_at_stop, "first_log": (tmp / "first.log").read_text(errors="replace")}
 
 
 def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ci_tiny_run, ray_local, capsys):
@@ -270,9 +286,11 @@ def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ci_tiny_r
     assert sorted(p.name for p in (out / "features" / "shards").iterdir()) == ci_tiny_run["shards_before"]
     assert read_train_state(latest_checkpoint(out / "train"))["step"] == 12
     steps = [m["step"] for m in _metrics(out / "train")]
-    # Steps logged after the checkpoint and before the stop are logged again by the resumed run.
-    restart = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
-    resumed_from = steps[restart] - 1 if restart is not None else stopped_at
+    # The rerun's steps follow the first run's (which had a worker restart of its own, checked
+    # above); steps logged after the checkpoint and before the stop are logged again by the rerun.
+    rerun = steps[ci_tiny_run["lines_at_stop"]:]
+    assert rerun and rerun == list(range(rerun[0], 13)), steps
+    resumed_from = rerun[0] - 1
     assert 4 <= resumed_from <= stopped_at and f"[train] resumed at step {resumed_from}" in log
     assert log.count("[train] resumed at step") == 1  # once: worker lines are not echoed twice
     assert steps[-1] == 12 and sorted(set(steps)) == list(range(1, 13))
