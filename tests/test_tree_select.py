@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from eagle3_ray.spec.sampling import Sampling
-from eagle3_ray.spec.tree import DraftTree, accept_greedy, accept_path, select_nodes, tree_layout
+from eagle3_ray.spec.tree import DraftTree, accept_greedy, accept_path, eagle2_depths, select_nodes, tree_layout
 
 
 def _reference_select(tokens, scores, parents, total_tokens):
@@ -62,6 +62,8 @@ def test_select_nodes_is_the_host_walk():
         tokens, scores, parents = _eagle2_draft(topk, depth, g, ties=trial % 2 == 0)
         for total in (1, topk, 3 * topk + 1, tokens.shape[0], tokens.shape[0] + 5):
             tree = select_nodes(tokens, scores, parents, total)
+            known = select_nodes(tokens, scores, parents, total, eagle2_depths(topk, depth, tokens.device))
+            assert torch.equal(known.tokens, tree.tokens) and torch.equal(known.parents, tree.parents)
             want_tokens, want_parents = _reference_select(tokens, scores, parents, total)
             assert tree.tokens.tolist() == want_tokens and tree.parents.tolist() == want_parents
             want_depth, want_visible = _reference_layout(want_parents)

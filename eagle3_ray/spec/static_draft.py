@@ -37,7 +37,7 @@ from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft
 from eagle3_ray.spec.sampling import Sampling, probs
 from eagle3_ray.spec.spans import attention_spans, span_for
-from eagle3_ray.spec.tree import DraftTree, select_nodes
+from eagle3_ray.spec.tree import DraftTree, eagle2_depths, select_nodes
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class StaticProposer:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
                               f"({self.drafter.config.draft_vocab_size}); lower it")
         def fn(hidden, past):  # the expansion, the selection and the verify's layout: one graph
-            tree = select_nodes(*self._tree(hidden, past, topk, depth), total_tokens)
+            tree = select_nodes(*self._tree(hidden, past, topk, depth), total_tokens,
+                                eagle2_depths(topk, depth, self.device))
             return tree.tokens, tree.parents, tree.depth, tree.visible
 
         key = ("tree", topk, depth, total_tokens)

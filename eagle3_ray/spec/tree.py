@@ -120,7 +120,15 @@ def eagle2_tree(
         seen = torch.cat([seen, eye], dim=1)[rows]
         count += topk * topk
     tree_ids = drafter.draft_to_target(torch.cat(all_ids))
-    return select_nodes(tree_ids, torch.cat(all_scores), torch.cat(all_parents), total_tokens)
+    return select_nodes(tree_ids, torch.cat(all_scores), torch.cat(all_parents), total_tokens,
+                        eagle2_depths(topk, depth, device))
+
+
+def eagle2_depths(topk: int, depth: int, device: torch.device) -> torch.Tensor:
+    """Depth of every node ``eagle2_tree`` drafts, in its order: ``topk`` at depth 1, then ``topk``
+    squared per further depth."""
+    return torch.cat([torch.ones(topk, dtype=torch.long, device=device)]
+                     + [torch.full((topk * topk,), d, dtype=torch.long, device=device) for d in range(2, depth + 1)])
 
 
 def select_nodes(
@@ -128,6 +136,7 @@ def select_nodes(
     scores: torch.Tensor,  # [M] cumulative log-prob
     parents: torch.Tensor,  # [M], -1 = root
     total_tokens: int,
+    depths: torch.Tensor | None = None,  # [M] each node's depth (1 = under the root), when the caller knows it
 ) -> DraftTree:
     """The ``total_tokens`` best nodes, reordered by depth then score, with their layout.
 
@@ -139,7 +148,7 @@ def select_nodes(
     n = min(total_tokens, m)
     dev = tokens.device
     chosen = scores.sort(descending=True, stable=True).indices[:n]  # [n] by score
-    depth_all = _node_depths(parents)  # [M], 1 = a child of the root
+    depth_all = _node_depths(parents) if depths is None else depths  # [M], 1 = a child of the root
     key = depth_all[chosen] * n + torch.arange(n, device=dev)  # by depth, then score order
     order = chosen[key.argsort()]  # [n] old indices in their new order
     new_index = torch.full((m,), -1, dtype=torch.long, device=dev)
