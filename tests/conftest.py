@@ -25,6 +25,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# One torch (OpenMP) thread per process: the test process, its subprocesses (CLI runs, spawned ranks,
+# the SGLang contract suites) and Ray's workers (Ray keeps an OMP_NUM_THREADS it finds; Ray Train
+# workers still set train.cpus_per_worker threads). On 2 cores shared with Ray's processes, two
+# threads per process wait on each other: test_hf_engine.py took 19-30 s with two, 18-20 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # ---------------------------------------------------------------- no silent skips
