@@ -69,25 +69,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _broadcast_worker(rank: int, world: int, port: int, chosen: str | None, out: str) -> None:
+def _broadcast_worker(rank: int, world: int, port: int, cases: list[tuple[str, str | None]], out: str) -> None:
     from eagle3_ray.train.loop import _broadcast_path, _vote_group
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world)
     try:
         group = _vote_group()
-        mine = Path(chosen) if rank == 0 and chosen is not None else None  # only rank 0 chooses
-        got = _broadcast_path(mine, group)
-        Path(out, f"rank-{rank}.json").write_text(json.dumps(None if got is None else str(got)))
+        for case, chosen in cases:  # one after the other in one group, as successive restores would
+            mine = Path(chosen) if rank == 0 and chosen is not None else None  # only rank 0 chooses
+            got = _broadcast_path(mine, group)
+            Path(out, case, f"rank-{rank}.json").write_text(json.dumps(None if got is None else str(got)))
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path):
     chosen = str(tmp_path / "ray_train" / "ci-tiny-train" / "checkpoint_ü 2")  # any path survives the trip
-    for case, value in (("path", chosen), ("none", None)):
-        out = tmp_path / case
-        out.mkdir()
-        mp.spawn(_broadcast_worker, args=(3, _free_port(), value, str(out)), nprocs=3, join=True)
-        got = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+    cases = [("path", chosen), ("none", None)]
+    for case, _ in cases:
+        (tmp_path / case).mkdir()
+    # One spawn of three ranks for both cases: each rank process imports torch and the training loop.
+    mp.spawn(_broadcast_worker, args=(3, _free_port(), cases, str(tmp_path)), nprocs=3, join=True)
+    for case, value in cases:
+        got = [json.loads((tmp_path / case / f"rank-{r}.json").read_text()) for r in range(3)]
         assert got == [value] * 3, case
