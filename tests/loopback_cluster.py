@@ -280,12 +280,6 @@ class LoopbackCluster:
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         import ray
 
-        if ray.is_initialized():
-            # The fresh-clone suite at b42f054 found a local Ray started again between the caller's
-            # ray.shutdown() and this connect (all 9 multinode tests errored with "ray.init twice";
-            # not reproduced with test_metrics alone): some earlier test leaves a thread that
-            # re-initialises Ray. Connect to this cluster regardless; the source is still open.
-            ray.shutdown()
         ray.init(address=self.address, _node_ip_address=HEAD_IP, **kwargs)
         return ray
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -270,3 +271,5 @@ def test_extract_a_failed_check_stops_the_started_engine_actors_before_any_write
         run_extract(cfg, prepared[0], out, target_info=_after_an_engine_actor_is_up(fails))
     assert not (out / "shards").exists() or not any((out / "shards").iterdir())
     assert not (out / "store_meta.json").exists()
+    # No thread goes on driving the failed run's dataset (it would call Ray after a caller's shutdown).
+    assert not [t for t in threading.enumerate() if t.name == "extract-results" and t.is_alive()]

@@ -416,22 +416,22 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         batch_format="numpy",
     )
     steps("dataset")
-    results = _iterate_in_background(ds)  # the dataset's execution (and the engine actors) start now
+    results = _BackgroundBatches(ds)  # the dataset's execution (and the engine actors) start now
     timeline.plan = time.monotonic()
     try:
-        info = target_info.result()
-        steps("describe_target")
-        _check_store(cfg, out, info, todo_tokens)
-        steps("checks")
-    except BaseException as e:
-        _write_start(start_file, go=False, reason=f"{type(e).__name__}: {e}")
-        raise
-    _write_start(start_file, go=True)
-    timeline.checks = last = time.monotonic()
-    log.info("extract planning: %s", steps.line())
-    meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
-    actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
-    try:
+        try:
+            info = target_info.result()
+            steps("describe_target")
+            _check_store(cfg, out, info, todo_tokens)
+            steps("checks")
+        except BaseException as e:
+            _write_start(start_file, go=False, reason=f"{type(e).__name__}: {e}")
+            raise
+        _write_start(start_file, go=True)
+        timeline.checks = last = time.monotonic()
+        log.info("extract planning: %s", steps.line())
+        meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
+        actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
         while (batch := results.get()) is not _END:
             if isinstance(batch, BaseException):
                 raise batch
@@ -449,14 +449,15 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
             if time.monotonic() - last > 10:
                 say(meter.line())
                 last = time.monotonic()
-    finally:
+    finally:  # on every exit: no iteration of this run's dataset outlives the stage (or its Ray session)
+        results.close()
         start_file.unlink(missing_ok=True)
     say(meter.line())
     return _finish_extract(out, timeline, skipped, meter.rejected)
 
 
 START_PREFIX = ".extract-start-"  # the run's start file in the store (see _write_start)
-_END = object()  # _iterate_in_background: the dataset is done
+_END = object()  # _BackgroundBatches: the dataset is done
 
 
 def _check_store(cfg: PipelineConfig, out: Path, info, todo_tokens: int) -> None:
@@ -480,21 +481,39 @@ def _write_start(path: Path, go: bool, reason: str = "") -> None:
     write_json(path, {"go": go, "reason": reason}, newline=False)
 
 
-def _iterate_in_background(ds) -> "queue.Queue":
-    """Run ``ds.iter_batches`` on a daemon thread, from now: a queue of its batches, then _END, or the
-    exception that ended it."""
-    results: queue.Queue = queue.Queue()
+class _BackgroundBatches:
+    """``ds.iter_batches`` on a daemon thread, from construction (the dataset's execution and its
+    actors start at once): ``get()`` returns its batches, then _END, or the exception that ended it.
+    ``close()`` stops the iteration at its next batch and waits for the thread (at most
+    ``STOP_WAIT_S``): a stage that fails or is interrupted leaves no thread driving its dataset,
+    which would otherwise go on calling Ray after the caller shut it down (and start it again)."""
 
-    def pump() -> None:
+    STOP_WAIT_S = 60.0
+
+    def __init__(self, ds):
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, args=(ds,), name="extract-results", daemon=True)
+        self._thread.start()
+
+    def _pump(self, ds) -> None:
         try:
             for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-                results.put(batch)
-            results.put(_END)
+                if self._stop.is_set():
+                    return  # leaving the loop ends the iterator, and with it the dataset's execution
+                self._queue.put(batch)
+            self._queue.put(_END)
         except BaseException as e:  # noqa: BLE001 (raised again by the caller, as itself)
-            results.put(e)
+            self._queue.put(e)
 
-    threading.Thread(target=pump, name="extract-results", daemon=True).start()
-    return results
+    def get(self):
+        return self._queue.get()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.STOP_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("the extract stage's dataset iteration did not stop within %.0f s", self.STOP_WAIT_S)
 
 
 def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
