@@ -341,7 +341,7 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
           _num(last.get("tokens_per_s"), "{:,.0f}")]],
     )
     intro = (
-        f"Final logged step of {len(rows)}. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
+        f"The last of {len(rows)} logged steps. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
         "accuracies; compare it with the measured chain/tree tau above."
     )
     curve = _table(
