@@ -61,6 +61,14 @@ def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
     assert json.loads((out / "summary.json").read_text())["tokens"] == summary.tokens
 
 
+def test_prepare_tokenizes_on_half_the_clusters_cpus():
+    from eagle3_ray.extract.pipeline import _tokenizer_actors
+
+    assert _tokenizer_actors({"CPU": 16.0, "GPU": 1.0}) == 8
+    assert _tokenizer_actors({"CPU": 2.0}) == 2  # never fewer than the former fixed pool
+    assert _tokenizer_actors({}) == 2
+
+
 def test_prepare_quarantines_bad_lines_and_goes_on(ray_local, cfg, tmp_path):
     from eagle3_ray.extract.pipeline import run_prepare
 
