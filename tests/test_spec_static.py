@@ -394,3 +394,76 @@ def test_eager_forwards_run_without_cudnn_attention(tiny, monkeypatch):
              eos_token_id=[])
     # Off CUDA every forward is eager: the target's prefill and verifies, the drafter's prompt extend and steps.
     assert len(entered) >= 4 and set(entered) == {"cpu"}
+
+
+@pytest.fixture
+def forward_widths(tiny):
+    """(first position, width) of every forward of the tiny target over a static storage (an
+    explicit mask); the hook is removed after the test."""
+    seen: list[tuple[int, int]] = []
+
+    def hook(module, args, kwargs):
+        pos = kwargs.get("position_ids")
+        if pos is not None and kwargs.get("attention_mask") is not None:
+            seen.append((int(pos[0, 0]), pos.shape[-1]))
+
+    handle = tiny[0].model.register_forward_pre_hook(hook, with_kwargs=True)
+    yield seen
+    handle.remove()
+
+
+def test_chunked_prefill_gives_the_eager_prompt(tiny, forward_widths):
+    """A prompt run as padded chunks of ``prefill_width`` (eagerly here, through the width's graph
+    on CUDA) gives the one-forward prompt's logits and aux states, and the same generations."""
+    target, drafter = tiny
+    eager = StaticTarget(target, drafter.config.aux_layers, max_length=256)
+    assert eager.prefill_width == 0  # off CUDA the default is one eager forward per prompt
+    chunked = StaticTarget(target, drafter.config.aux_layers, max_length=256, prefill_width=8)
+    seen = forward_widths
+    for prompt in _prompts(3, target.config.vocab_size, seed=4):  # 5, 12 and 19 tokens: 1, 2 and 3 chunks
+        ids = torch.tensor(prompt)
+        ref = eager.runner(drafter.config.aux_layers).forward(ids)
+        seen.clear()
+        out = chunked.runner(drafter.config.aux_layers).forward(ids)
+        assert [w for _, w in seen] == [8] * (-(-len(prompt) // 8))
+        assert [p for p, _ in seen] == list(range(0, len(prompt), 8))
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.aux, ref.aux, rtol=1e-4, atol=1e-4)
+        greedy, _ = target_generate(target, prompt, 12, eos_token_id=[])
+        assert target_generate(chunked, prompt, 12, eos_token_id=[])[0] == greedy
+        for mode, params in MODES:
+            assert generate(chunked, drafter, prompt, 12, mode=mode, eos_token_id=[], **params)[0] == greedy
+
+
+def test_chunked_prefill_through_graphs_shared_with_a_verify(tiny, forward_widths, monkeypatch):
+    """With FakeGraph standing in for CUDA: the prompt's chunks replay the graph of their width,
+    also when a tree's verify of the same width has left its depths and mask in that graph's
+    buffers; a padded prompt over ``max_length`` runs as one eager forward instead."""
+    import eagle3_ray.spec.static as static_mod
+
+    graphs: list[FakeGraph] = []
+
+    def fake_capture(fn, buf, device):
+        graphs.append(FakeGraph(fn, buf))
+        return graphs[-1], graphs[-1].out
+
+    monkeypatch.setattr(static_mod, "capture_graph", fake_capture)
+    target, drafter = tiny
+    tree = dict(MODES)["tree"]
+    width = tree["total_tokens"] + 1  # the tree's verify width
+    static = StaticTarget(target, drafter.config.aux_layers, max_length=256, draft_graphs=False,
+                          prefill_width=width)
+    static.cuda_graphs = True
+    for prompt in _prompts(3, target.config.vocab_size, seed=9):
+        greedy, _ = target_generate(target, prompt, 16, eos_token_id=[])
+        for _ in range(2):  # the second prompt's chunks replay after the tree's verifies
+            assert generate(static, drafter, prompt, 16, mode="tree", eos_token_id=[], **tree)[0] == greedy
+    assert static.captured == [width]  # prompts and verifies: one width, one graph
+    assert graphs[0].replays > 6
+    short = StaticTarget(target, drafter.config.aux_layers, max_length=30, prefill_width=16)
+    prompt = _prompts(3, target.config.vocab_size, seed=9)[2]  # 19 tokens: 2 chunks = 32 slots > 30
+    forward_widths.clear()
+    assert target_generate(short, prompt, 8, eos_token_id=[])[0] == target_generate(target, prompt, 8, eos_token_id=[])[0]
+    assert forward_widths[0] == (0, 19)
+    with pytest.raises(ConfigError, match="prefill_width"):
+        StaticTarget(target, drafter.config.aux_layers, max_length=64, prefill_width=-1)

@@ -28,6 +28,11 @@ gather over all layers.
 The drafter gets the same treatment next to this storage: ``proposer(drafter)`` is its
 ``StaticProposer`` (``spec/static_draft.py``), used by ``spec.generate`` when ``draft_graphs``.
 
+Prompts: an eager forward of a prompt is launch-bound too (about 30 ms for SmolLM2-135M on an H200, paid in
+every decoding mode, a tenth of a 128-token turn). With ``prefill_width`` C, a prompt runs as
+ceil(T / C) forwards of C tokens through the width-C graphs, the last chunk padded: the padding's keys
+land past the committed length, invisible, and the next forward overwrites them.
+
 Off CUDA (CPU tests) the same function runs eagerly, so graph replay and the eager path share
 every line but the capture. Its graph safety (no host sync inside the forward) is tested on CPU
 by failing on every op that would read a device value on the host.
@@ -47,6 +52,7 @@ from eagle3_ray.spec.spans import attention_spans, span_for
 from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
 from eagle3_ray.spec.target import TargetOut
 
+PREFILL_WIDTH = 256  # prompt chunk of the graphed prefill (CUDA graphs on); padding is free for a launch-bound target
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
 MAX_GRAPHS = 8  # distinct widths captured at most (each with one graph per attention span)
 DRAFT_HEADROOM = 512  # drafter slots past max_length: a tree's expansions ((depth - 1) * topk keys)
@@ -65,6 +71,9 @@ class StaticTarget:
     False drafts with the eager ``Eagle3Proposer`` (the reference path).
     ``length_spans``: attend over the smallest span of ``spans`` holding the context (module doc);
     False attends over the whole storage in every forward (a cost growing with ``max_length``).
+    ``prefill_width``: run prompts in chunks of this many tokens, each through its graph (module doc);
+    None: ``PREFILL_WIDTH`` with CUDA graphs, else 0 (one eager forward per prompt). Off CUDA a width
+    runs the same chunks eagerly (what the CPU tests check).
     """
 
     def __init__(
@@ -76,6 +85,7 @@ class StaticTarget:
         max_graph_width: int = MAX_GRAPH_WIDTH,
         draft_graphs: bool = True,
         length_spans: bool = True,
+        prefill_width: int | None = None,
     ):
         text = model.config.get_text_config()
         impl = model.config._attn_implementation
@@ -99,6 +109,12 @@ class StaticTarget:
         self.device, self.dtype = weight.device, weight.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.max_graph_width = max_graph_width
+        if prefill_width is None:
+            prefill_width = min(PREFILL_WIDTH, max_graph_width) if self.cuda_graphs else 0
+        if prefill_width < 0 or (self.cuda_graphs and prefill_width > max_graph_width):
+            raise ConfigError(f"prefill_width={prefill_width}: give 0 (eager prompts) or a width up to "
+                              f"max_graph_width={max_graph_width}")
+        self.prefill_width = prefill_width
         self.draft_graphs = draft_graphs
         self._proposers: dict[int, tuple[torch.nn.Module, StaticProposer]] = {}
         layers = text.num_hidden_layers
@@ -170,15 +186,21 @@ class StaticTarget:
         return out.logits[0].float(), aux
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, past: int, depth: torch.Tensor, tree: torch.Tensor) -> TargetOut:
+    def forward(self, ids: torch.Tensor, past: int, depth: torch.Tensor, tree: torch.Tensor,
+                causal: bool = False) -> TargetOut:
         """One forward of the new tokens ``ids`` after ``past`` committed ones over the span that
-        holds them; prompts (past = 0) run eagerly, every later width through its graph."""
+        holds them. A prompt (past = 0; ``causal``: depth and tree are the plain causal ones) runs in
+        chunks of ``prefill_width`` (``_prefill``) or else eagerly; every later width through its graph."""
         w = ids.shape[0]
         if past + w > self.max_length:
             raise ConfigError(
                 f"this generation needs {past + w} cache slots, the StaticTarget holds max_length={self.max_length}; "
                 "build it with a larger max_length or ask for fewer tokens"
             )
+        if past == 0 and causal:
+            out = self._prefill(ids)
+            if out is not None:
+                return out
         span = self.span(past + w)
         graph = self._graph(w, span) if past > 0 else None  # a prompt's length varies: no graph for it
         if graph is None:
@@ -196,6 +218,39 @@ class StaticTarget:
         g.replay()
         # Copies: the next replay overwrites the graph's outputs.
         return TargetOut(logits.clone(), None if aux is None else aux.clone())
+
+    def _prefill(self, ids: torch.Tensor) -> TargetOut | None:
+        """The prompt ``ids`` as forwards of ``prefill_width`` tokens (the last one padded), each
+        through its graph or, without graphs, eagerly; None where it cannot (no width, or the padded
+        prompt over ``max_length``): the caller runs one eager forward."""
+        c, n = self.prefill_width, ids.shape[0]
+        chunks = -(-n // c) if c else 0
+        if not chunks or chunks * c > self.max_length:
+            return None
+        dev = self.device
+        depth = torch.arange(c, device=dev)
+        tree = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+        logits, aux = [], []
+        for k in range(chunks):
+            lo, m = k * c, min(c, n - k * c)
+            chunk = torch.zeros(c, dtype=ids.dtype, device=dev)
+            chunk[:m] = ids[lo:lo + m]
+            span = self.span(lo + c)
+            graph = self._graph(c, span)
+            if graph is None:
+                with sdpa_for_growing_keys(dev):
+                    out_logits, out_aux = self._run(chunk, torch.tensor(lo, device=dev), depth, tree, span)
+            else:
+                g, buf, (out_logits, out_aux) = graph
+                buf["ids"].copy_(chunk)
+                buf["past"].fill_(lo)
+                buf["depth"].copy_(depth)  # a verify of the same width may have left a tree's
+                buf["tree"].copy_(tree)
+                g.replay()
+            logits.append(out_logits[:m].clone())  # copies: the next replay overwrites the outputs
+            if out_aux is not None:
+                aux.append(out_aux[:m].clone())
+        return TargetOut(torch.cat(logits), torch.cat(aux) if aux else None)
 
     def span(self, n: int) -> int:
         """The attention span of a forward whose committed + new tokens are ``n``: the smallest of
@@ -279,7 +334,7 @@ class StaticRunner:
         dev = self.device
         depth = torch.arange(t, device=dev) if positions is None else positions.to(dev) - past
         tree = torch.ones(t, t, dtype=torch.bool, device=dev).tril() if mask is None else mask.to(dev)
-        out = self.target.forward(ids.to(dev), past, depth, tree)
+        out = self.target.forward(ids.to(dev), past, depth, tree, causal=positions is None and mask is None)
         self._length = past + t
         return out if self._with_aux else TargetOut(out.logits, None)
 
