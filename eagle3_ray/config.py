@@ -106,6 +106,13 @@ class GenerateConfig(_Section):
     sample_temperature: float = Field(
         0.7, gt=0.0, description="Temperature of the sampled copies 1..n-1 (generate.samples_per_prompt > 1)."
     )
+    synthetic_prompts: int = Field(
+        0, ge=0, description="User requests the target writes itself before answering (Magpie-style: sampled "
+        "from its chat template's user header at temperature 1.0; see data/synthetic.py), spread over the engine "
+        "actors, ids `synthetic:<actor>:<k>`, answered like the input's prompts (samples_per_prompt included): "
+        "more kinds of the target's answers than a fixed prompt set holds. Written to synthetic.part-*.jsonl "
+        "before any is answered, so a resumed run answers the same ones."
+    )
 
 
 class ExtractConfig(_Section):

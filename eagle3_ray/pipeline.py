@@ -55,6 +55,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     if full["generate"]["samples_per_prompt"] == 1:  # one answer per prompt: the hash of runs before copies
         full["generate"] = {k: v for k, v in full["generate"].items()
                             if k not in ("samples_per_prompt", "sample_temperature")}
+    if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
+        full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
     part = {k: full[k] for k in STAGE_DEPS[stage]}
     part["_data"] = data
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]

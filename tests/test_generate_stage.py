@@ -1,9 +1,10 @@
 """The generate stage: the order its actors answer prompts in (by turns, then prompt length, so a
 batched decoder gets batches of alike prompts), the prompts it rejects as too long for
 data.max_length, and the driver's join back into input order; more answers per prompt
-(generate.samples_per_prompt: sampled copies under ids <id>#s<copy>). The actor runs here as a plain
-object on the real HF engine (seeded random tiny Llama, SmolLM2 tokenizer); one test runs the stage
-through Ray."""
+(generate.samples_per_prompt: sampled copies under ids <id>#s<copy>), and requests the target writes
+itself (generate.synthetic_prompts). The actor runs here as a plain object on the real HF engine
+(seeded random tiny Llama, SmolLM2 tokenizer; the real SmolLM2 for the requests it writes); one test
+runs the stage through Ray."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from eagle3_ray.data.chat import render_generation_prompt
 from eagle3_ray.data.sources import Sample
 from eagle3_ray.data.distill import self_distill
 from eagle3_ray.errors import DataError
+from eagle3_ray.data.synthetic import MAX_CALLS_PER_BATCH, SYNTHETIC_MAX_TOKENS, synthetic_prompts, user_header_ids
 from eagle3_ray.extract.generate_stage import (
     COPY_SEED_STRIDE,
-    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order,
+    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order, synthetic_seed,
 )
 
 TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
@@ -218,3 +220,80 @@ def test_copy_ids_and_their_collisions_with_input_ids():
     with pytest.raises(DataError, match=r"f:2 has the id 'a#s1'.*copy 1 of 'a'.*samples_per_prompt=1"):
         check_copy_ids(given, 2)
     check_copy_ids(given[2:], 3)  # "b" is answered already: it has no copies, "b#s1" is free
+
+
+class ScriptedEngine:
+    """A fake of the project's own TargetEngine (its ``generate`` only), returning given token lists
+    batch by batch and recording every call: a target whose requests are known, to test the
+    filtering (the real SmolLM2 writes requests in the test after this one)."""
+
+    def __init__(self, batches: list[list[list[int]]]):
+        self.batches, self.calls = list(batches), []
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
+        self.calls.append(([list(p) for p in prompts], max_new_tokens, temperature, top_p, seed))
+        return self.batches.pop(0) if self.batches else [[] for _ in prompts]
+
+
+def test_synthetic_requests_keep_ended_new_ones_and_resume_from_their_file(actor, tmp_path):
+    tok = actor.tokenizer
+    header = user_header_ids(tok)
+    assert tok.decode(header).endswith("<|im_start|>user\n")  # SmolLM2's template, its default system prompt first
+
+    def said(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    unended = [5] * SYNTHETIC_MAX_TOKENS
+    plants, poem, recursion = "How do plants make food?", "Write a poem about the sea.", "Explain recursion, with an example."
+    eng = ScriptedEngine([[said(plants), said("Hi there"), unended, said(plants)],  # short, cut, repeated: dropped
+                          [said(poem), said(recursion), said("One more request here."), []]])
+    path = tmp_path / "synthetic.part-003.jsonl"
+    got = synthetic_prompts(eng, tok, 2, path, actor=3, batch_size=4, seed=7)
+    assert [s.sample_id for s in got] == ["synthetic:3:000000", "synthetic:3:000001"]
+    assert [s.messages for s in got] == [[_user(plants)], [_user(poem)]]
+    assert all(s.needs_generation for s in got)
+    assert [(len(p), n, t, top_p, seed) for p, n, t, top_p, seed in eng.calls] == [
+        (4, SYNTHETIC_MAX_TOKENS, 1.0, 0.98, 7), (4, SYNTHETIC_MAX_TOKENS, 1.0, 0.98, 8)]
+    assert all(p == header for prompts, *_ in eng.calls for p in prompts)
+    # A rerun reads the file back and asks the engine nothing: the same requests get answered.
+    again = ScriptedEngine([])
+    assert synthetic_prompts(again, tok, 2, path, actor=3, batch_size=4) == got and again.calls == []
+    # A target that never ends a turn costs a bounded number of calls and gives no request.
+    never = ScriptedEngine([[unended] * 4] * 100)
+    assert synthetic_prompts(never, tok, 5, tmp_path / "none.jsonl", batch_size=4) == []
+    assert len(never.calls) == MAX_CALLS_PER_BATCH * 2
+    assert synthetic_seed(0, 1) - synthetic_seed(0, 0) == COPY_SEED_STRIDE
+
+
+def test_smollm2_writes_requests_and_answers_them(tmp_path):
+    """The real SmolLM2 writes user requests from its template's header (sampled), which the actor then
+    answers with the input's prompts, into the same part file; a rerun answers nothing again."""
+    a = DistillActor(TargetConfig(model="smollm2", device="cpu", dtype="float32").model_dump(), 256)
+    try:
+        part, syn = tmp_path / "part.jsonl", tmp_path / "synthetic.part-000.jsonl"
+        gen = {**GEN, "max_new_tokens": 6, "batch_size": 4}
+        synthetic = {"count": 3, "path": str(syn), "actor": 0}
+        summary = a.run([vars(_samples()[1])], str(part), gen, max_length=256, synthetic=synthetic)
+        requests = [json.loads(line) for line in syn.read_text().splitlines()]
+        assert summary["synthetic"] == len(requests) >= 1
+        records = {r["id"]: r["conversations"] for r in map(json.loads, part.read_text().splitlines())}
+        assert set(records) == {"short"} | {r["id"] for r in requests}
+        for r in requests:
+            assert len(r["prompt"].split()) >= 4 and "<|im" not in r["prompt"]
+            user, answer = records[r["id"]]
+            assert user == _user(r["prompt"]) and answer["role"] == "assistant" and answer["content"]
+        again = a.run([vars(_samples()[1])], str(part), gen, max_length=256, synthetic=synthetic)
+        assert again["generated"] == 0 and again["synthetic"] == summary["synthetic"]
+    finally:
+        a.close()
+
+
+def test_synthetic_ids_may_not_be_taken_by_the_input(tmp_path):
+    from eagle3_ray.config import load_config
+    from eagle3_ray.extract.generate_stage import run_generate
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": "synthetic:0:000000", "turns": ["Hi?"]}) + "\n")
+    cfg = load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=2"])
+    with pytest.raises(DataError, match=r"ids starting 'synthetic:'.*generate.synthetic_prompts=0"):
+        run_generate(cfg, str(data), tmp_path / "gen")

@@ -82,8 +82,9 @@ def test_a_stage_marker_left_where_older_runs_wrote_it_still_resumes(tmp_path, c
 
 
 def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
-    """generate.samples_per_prompt=1 (the default) hashes as the config did before the option (an out
-    dir of earlier runs still resumes); more copies, or their temperature then, redo the stages."""
+    """generate.samples_per_prompt=1 and synthetic_prompts=0 (the defaults) hash as the config did
+    before the options (an out dir of earlier runs still resumes); more copies, or their temperature
+    then, or synthetic requests redo the stages."""
     import hashlib
 
     from eagle3_ray.config import config_to_dict, load_config
@@ -91,7 +92,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
 
     cfg = load_config("configs/ci-tiny.yaml")
     full = config_to_dict(cfg)
-    for k in ("samples_per_prompt", "sample_temperature"):
+    for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
         del full["generate"][k]
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
@@ -104,3 +105,5 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     assert _stage_hash(two, "train", "d") != _stage_hash(
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
+        _stage_hash(cfg, "generate", "d")  # the target's own requests: other data

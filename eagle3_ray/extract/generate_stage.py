@@ -17,6 +17,10 @@ the same target from the same prompts. Each actor writes its copies, in the same
 into its one part file after copy 0 (resume skips the ids already written); the join puts each
 prompt's copies together, copy 0 first. Training holds a prompt's copies out together
 (``base_id``; train/trainer.py).
+
+``generate.synthetic_prompts`` = m > 0: the actors first write m user requests of the target's own
+(data/synthetic.py), actor i its share into ``synthetic.part-<i>.jsonl``, and answer them with their
+input prompts; the join puts them after the input's records.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.data.synthetic import SYNTHETIC_ID
 from eagle3_ray.errors import DataError
 from eagle3_ray.progress import say
 
@@ -60,15 +65,25 @@ class DistillActor:
         self.engine = build_engine(cfg, batch_tokens=batch_tokens, mode="generate")
         self.tokenizer = load_tokenizer(cfg)
 
-    def run(self, samples: list[dict], part_path: str, gen: dict, max_length: int | None = None) -> dict:
+    def run(self, samples: list[dict], part_path: str, gen: dict, max_length: int | None = None,
+            synthetic: dict | None = None) -> dict:
         """Answers ``samples`` into ``part_path`` (resumable), ``gen["samples_per_prompt"]`` times
         (default 1; see the module doc); the summary's ``rejected`` lists the prompts too long for
         ``max_length`` (None: none rejected), which are not answered, and ``per_copy`` the summary
-        of each copy (its ``total``: the records of that copy in the part file)."""
+        of each copy (its ``total``: the records of that copy in the part file). ``synthetic``
+        (``count``, ``path``, ``actor``): first write that many requests of the target's own and
+        answer them too (``synthetic`` in the summary: how many)."""
         from eagle3_ray.data.distill import self_distill
         from eagle3_ray.data.sources import Sample
+        from eagle3_ray.data.synthetic import synthetic_prompts
 
-        ordered, too_long = generation_order([Sample(**s) for s in samples], self.tokenizer, max_length)
+        own = [Sample(**s) for s in samples]
+        written = []
+        if synthetic and synthetic["count"] > 0:
+            written = synthetic_prompts(self.engine, self.tokenizer, synthetic["count"], synthetic["path"],
+                                        actor=synthetic["actor"], batch_size=gen["batch_size"],
+                                        seed=synthetic_seed(gen["seed"], synthetic["actor"]))
+        ordered, too_long = generation_order(own + written, self.tokenizer, max_length)
         per_copy = []
         for copy in range(int(gen.get("samples_per_prompt", 1))):
             if copy == 0:
@@ -91,7 +106,7 @@ class DistillActor:
             per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
         out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}
         out["seconds"] = round(out["seconds"], 3)
-        return {**out, "per_copy": per_copy, "rejected": too_long}
+        return {**out, "per_copy": per_copy, "rejected": too_long, "synthetic": len(written)}
 
     def close(self) -> None:
         self.engine.close()
@@ -106,6 +121,14 @@ COPY_SEED_STRIDE = 1_000_003
 def copy_seed(seed: int, copy: int) -> int:
     """The first seed of copy ``copy``'s engine calls (copy 0: ``seed`` itself)."""
     return seed + copy * COPY_SEED_STRIDE
+
+
+SYNTHETIC_SEED_OFFSET = 999_999_937  # past every copy's seeds (copies x COPY_SEED_STRIDE) for any sane copy count
+
+
+def synthetic_seed(seed: int, actor: int) -> int:
+    """The first seed of actor ``actor``'s engine calls writing synthetic requests."""
+    return seed + SYNTHETIC_SEED_OFFSET + actor * COPY_SEED_STRIDE
 
 
 def generation_order(samples: list, tokenizer: Any, max_length: int | None = None) -> tuple[list, list[dict]]:
@@ -196,6 +219,12 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
             )
     copies = cfg.generate.samples_per_prompt
     check_copy_ids(read, copies)
+    n_synthetic = cfg.generate.synthetic_prompts
+    taken = [s.sample_id for s in read if s.sample_id.startswith(SYNTHETIC_ID)] if n_synthetic else []
+    if taken:
+        raise DataError(f"the input has ids starting {SYNTHETIC_ID!r} ({taken[0]!r}, ...), which "
+                        f"generate.synthetic_prompts={n_synthetic} gives the target's own requests; rename those "
+                        "records or set generate.synthetic_prompts=0")
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out / REJECTS_FILE, rejects)
 
@@ -207,10 +236,14 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
     gen = cfg.generate.model_dump()
     say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected"
+        + (f" + {n_synthetic} requests the target writes itself" if n_synthetic else "")
         + (f"; {copies} answers per prompt (copies 1-{copies - 1} sampled at temperature "
            f"{cfg.generate.sample_temperature})" if copies > 1 else ""))
+    shares = [n_synthetic // n + (i < n_synthetic % n) for i in range(n)]
     results = ray.get(
-        [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length) for i, a in enumerate(actors)]
+        [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length,
+                      {"count": shares[i], "path": str(out / f"synthetic.part-{i:03d}.jsonl"), "actor": i})
+         for i, a in enumerate(actors)]
     )
     for a in actors:
         ray.kill(a)
@@ -223,9 +256,14 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     ids = [copy_id(s["sample_id"], c) for s in samples for c in range(copies)]  # a prompt's copies together
     count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
     per_copy = [sum(res["per_copy"][c]["total"] for res in results) for c in range(copies)]
+    synthetic = sum(res.pop("synthetic", 0) for res in results)
+    if n_synthetic:
+        say(f"[generate] {synthetic} of {n_synthetic} requests written by the target"
+            + (" (it left the rest unfinished or repeated)" if synthetic < n_synthetic else ""))
     write_json_atomic(
         out / "summary.json",
         {"conversations": count, "samples_per_prompt": copies, "conversations_per_copy": per_copy,
+         "synthetic_prompts": synthetic,
          "rejected": len(rejects) + len(too_long), "parts": results,
          "seconds": round(time.monotonic() - t0, 2), "output": str(joined)},
     )
