@@ -156,9 +156,11 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _restarts(steps: list[int]) -> list[int]:
-    """Indices of a step log where training started again (a step not above the one before)."""
-    return [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+def _first_resumed_row(rows: list[dict]) -> int | None:
+    """Index of the first row logged by a restarted attempt (its ``resumed_from``, the checkpoint step
+    it started from, is not 0); None if none. A restart from the last step logged repeats no step, so
+    the step numbers alone cannot show it."""
+    return next((i for i, m in enumerate(rows) if m["resumed_from"] != 0), None)
 
 
 def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_run):
@@ -170,12 +172,12 @@ def test_killing_a_train_worker_resumes_from_the_last_checkpoint(ci_tiny_run):
     logged = _metrics(r["out"] / "train")
     first = logged[:r["lines_at_stop"]]  # the first run's steps: the worker kill and the restart
     seq = [m["step"] for m in first]
-    restarts = _restarts(seq)
-    assert len(restarts) == 1, f"exactly one restart expected in the first run's step log {seq}"
-    i = restarts[0]
-    resumed_from = seq[i] - 1
+    i = _first_resumed_row(first)
+    starts = [m["resumed_from"] for m in first]
+    assert i is not None and set(starts[i:]) == {starts[i]}, f"exactly one restart expected: {list(zip(seq, starts))}"
+    resumed_from = starts[i]
     assert resumed_from >= every and resumed_from % every == 0, f"resumed at step {resumed_from}, not a checkpoint"
-    assert resumed_from <= r["logged_at_worker_kill"]
+    assert resumed_from <= seq[i - 1]  # a checkpoint of the attempt that was killed
     assert seq[:i] == list(range(1, seq[i - 1] + 1)) and seq[i:] == list(range(resumed_from + 1, seq[-1] + 1))
     assert f"[train] resumed at step {resumed_from}" in r["first_log"]
     # The LR schedule (DeepSpeed scheduler state) continues exactly where the checkpoint left it.
@@ -258,10 +260,9 @@ def stopped_and_rerun(tmp_path_factory) -> dict:
         logged = _metrics(out / "train")
         worker_killed = _kill(workers)
         assert alive(), "the fault must land mid-run"
-        # The restarted worker group logs a step again (at or below the last one logged before the kill).
+        # The restarted worker group logs a step (its rows name the checkpoint it resumed from).
         _wait_for("a step of the restarted workers",
-                  lambda: any(i >= len(logged) for i in _restarts([m["step"] for m in _metrics(out / "train")])),
-                  alive, poll_s=0.1)
+                  lambda: _first_resumed_row(_metrics(out / "train")) is not None, alive, poll_s=0.1)
         shards_before = sorted(p.name for p in (out / "features" / "shards").iterdir())
     finally:
         _stop_hard(first)
@@ -291,6 +292,7 @@ def test_stopping_and_rerunning_the_whole_run_redoes_only_missing_work(ci_tiny_r
     rerun = steps[ci_tiny_run["lines_at_stop"]:]
     assert rerun and rerun == list(range(rerun[0], 13)), steps
     resumed_from = rerun[0] - 1
+    assert {m["resumed_from"] for m in _metrics(out / "train")[ci_tiny_run["lines_at_stop"]:]} == {resumed_from}
     assert 4 <= resumed_from <= stopped_at and f"[train] resumed at step {resumed_from}" in log
     assert log.count("[train] resumed at step") == 1  # once: worker lines are not echoed twice
     assert steps[-1] == 12 and sorted(set(steps)) == list(range(1, 13))

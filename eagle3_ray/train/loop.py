@@ -165,6 +165,7 @@ class Trainer:
         self.max_steps = min(job.total_steps, self.t.max_steps or job.total_steps)
         self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
         self.global_step = 0  # optimizer steps taken (restored on resume)
+        self.resumed_from = 0  # the checkpoint step this attempt started from (0: a fresh start)
         self.consumed: set[str] = set()  # pack keys trained on (the data position)
         # Training tokens: the sample tokens of every pack the optimizer has trained on, summed over
         # the ranks (`train_tokens` in metrics.jsonl and train_state.json). `train_tokens` is that sum
@@ -200,6 +201,7 @@ class Trainer:
         self.train_step = TrainStep(self.engine, lm_head, StepConfig.from_train(t, self.attention))
         self.vote_group = _vote_group()  # before restore: rank 0 broadcasts its choice of checkpoint on it
         self.global_step, self.consumed = self.restore()
+        self.resumed_from = self.global_step
         name = f"val_{self.rank}"
         if job.val_packs and name in job.val_datasets:
             self.val_shard = ray.train.get_dataset_shard(name)
@@ -321,6 +323,7 @@ class Trainer:
                 m["tokens_per_s"] *= self.world_size
                 m["lr"] = self.engine.get_lr()[0]
                 m["step"] = step
+                m["resumed_from"] = self.resumed_from  # which attempt logged the row (a restart may not repeat a step)
                 if self._sync_tokens() is not None:
                     m["train_tokens"] = self.train_tokens  # cumulative, all ranks: the x axis of the tau curve
                 if self.job.val_packs and (step >= next_eval or step == self.max_steps):
