@@ -20,7 +20,7 @@ from eagle3_ray.errors import DataError
 from eagle3_ray.data.synthetic import MAX_CALLS_PER_BATCH, SYNTHETIC_MAX_TOKENS, synthetic_prompts, user_header_ids
 from eagle3_ray.extract.generate_stage import (
     COPY_SEED_STRIDE,
-    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order, synthetic_seed,
+    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order, joined_order, synthetic_seed,
 )
 
 TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
@@ -211,6 +211,7 @@ def test_sampled_copies_follow_copy_zero_in_generation_order_and_resume(actor, t
 
 def test_copy_ids_and_their_collisions_with_input_ids():
     assert [copy_id("q7", c) for c in range(3)] == ["q7", "q7#s1", "q7#s2"]
+    assert joined_order(["q", "synthetic:0:000000"], 2) == ["q", "q#s1", "synthetic:0:000000", "synthetic:0:000000#s1"]
     assert [base_id(i) for i in ["q7", "q7#s1", "q7#s12", "a#s1#s2", "a#sx", "a#s", "a#s1b", "file-3"]] == [
         "q7", "q7", "q7", "a#s1", "a#sx", "a#s", "a#s1b", "file-3"]
     given = [Sample("a", [_user("x")], "f:1"), Sample("a#s1", [_user("y")], "f:2"),
@@ -244,7 +245,8 @@ def test_synthetic_requests_keep_ended_new_ones_and_resume_from_their_file(actor
         return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
     unended = [5] * SYNTHETIC_MAX_TOKENS
-    plants, poem, recursion = "How do plants make food?", "Write a poem about the sea.", "Explain recursion, with an example."
+    plants, poem = "How do plants make food?", "Write a poem about the sea."
+    recursion = "Explain recursion, with an example."
     eng = ScriptedEngine([[said(plants), said("Hi there"), unended, said(plants)],  # short, cut, repeated: dropped
                           [said(poem), said(recursion), said("One more request here."), []]])
     path = tmp_path / "synthetic.part-003.jsonl"

@@ -20,7 +20,7 @@ prompt's copies together, copy 0 first. Training holds a prompt's copies out tog
 
 ``generate.synthetic_prompts`` = m > 0: the actors first write m user requests of the target's own
 (data/synthetic.py), actor i its share into ``synthetic.part-<i>.jsonl``, and answer them with their
-input prompts; the join puts them after the input's records.
+input prompts; the join puts them after the input's records, each with its copies.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 from eagle3_ray.atomic import write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.synthetic import SYNTHETIC_ID
+from eagle3_ray.data.synthetic import SYNTHETIC_ID, read_synthetic
 from eagle3_ray.errors import DataError
 from eagle3_ray.progress import say
 
@@ -161,6 +161,12 @@ def generation_order(samples: list, tokenizer: Any, max_length: int | None = Non
     return [s for _, s in keyed], rejects
 
 
+def joined_order(prompt_ids: list[str], copies: int) -> list[str]:
+    """The ids of conversations.jsonl in order: the input's prompts, then the target's own requests,
+    each prompt's copies together, copy 0 first."""
+    return [copy_id(sid, c) for sid in prompt_ids for c in range(copies)]
+
+
 def join_in_order(parts: list[Path], ids: list[str], dst) -> int:
     """Writes the records of the part files to ``dst`` (binary) in the order of ``ids`` (records of
     other ids last, in file order); returns the number of records."""
@@ -253,7 +259,9 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         say(f"[generate] {len(too_long)} prompts rejected: too long for data.max_length={cfg.data.max_length}")
 
     joined = out / CONVERSATIONS_FILE
-    ids = [copy_id(s["sample_id"], c) for s in samples for c in range(copies)]  # a prompt's copies together
+    synthetic_ids = [s.sample_id for i in range(n) if (out / f"synthetic.part-{i:03d}.jsonl").exists()
+                     for s in read_synthetic(out / f"synthetic.part-{i:03d}.jsonl")]
+    ids = joined_order([s["sample_id"] for s in samples] + synthetic_ids, copies)
     count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
     per_copy = [sum(res["per_copy"][c]["total"] for res in results) for c in range(copies)]
     synthetic = sum(res.pop("synthetic", 0) for res in results)
