@@ -8,6 +8,8 @@
 #   ../shared/data); the GGUF at /tmp/SmolLM2-135M-Instruct.Q4_1.gguf; PYTHONPATH holds Ray,
 #   DeepSpeed, pydantic and gguf (.whl) and the repository.
 #   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_h200.sh
+#   EXTRA="$(cat benchmarks/device/product4_extra.txt)" adds overrides (one word each, no spaces): the
+#   next run's, with the target's own requests (the third run's differ only in its generate options).
 set -uo pipefail
 : "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}"
 mkdir -p "$RUN" "$OUT"
