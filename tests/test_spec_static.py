@@ -233,7 +233,9 @@ class FakeGraph:
             dst.copy_(src)
 
 
-def _use_fake_graphs(monkeypatch) -> list[FakeGraph]:
+def _use_fake_graphs(monkeypatch, module=None) -> list[FakeGraph]:
+    """FakeGraph for every capture of ``module`` (the drafter's, static_draft, by default; the
+    target's is eagle3_ray.spec.static); returns the graphs as they are captured."""
     import eagle3_ray.spec.static_draft as static_draft
 
     graphs: list[FakeGraph] = []
@@ -242,7 +244,7 @@ def _use_fake_graphs(monkeypatch) -> list[FakeGraph]:
         graphs.append(FakeGraph(fn, buf))
         return graphs[-1], graphs[-1].out
 
-    monkeypatch.setattr(static_draft, "capture_graph", fake_capture)
+    monkeypatch.setattr(module or static_draft, "capture_graph", fake_capture)
     return graphs
 
 
@@ -328,13 +330,7 @@ def test_target_graphs_per_span_and_capture_spans(tiny, monkeypatch):
     widths without changing what the storage holds."""
     import eagle3_ray.spec.static as static_mod
 
-    graphs: list[FakeGraph] = []
-
-    def fake_capture(fn, buf, device):
-        graphs.append(FakeGraph(fn, buf))
-        return graphs[-1], graphs[-1].out
-
-    monkeypatch.setattr(static_mod, "capture_graph", fake_capture)
+    graphs = _use_fake_graphs(monkeypatch, static_mod)
     target, drafter = tiny
     static = StaticTarget(target, drafter.config.aux_layers, max_length=1024, draft_graphs=False)
     static.cuda_graphs = True
@@ -441,13 +437,7 @@ def test_chunked_prefill_through_graphs_shared_with_a_verify(tiny, forward_width
     buffers; a padded prompt over ``max_length`` runs as one eager forward instead."""
     import eagle3_ray.spec.static as static_mod
 
-    graphs: list[FakeGraph] = []
-
-    def fake_capture(fn, buf, device):
-        graphs.append(FakeGraph(fn, buf))
-        return graphs[-1], graphs[-1].out
-
-    monkeypatch.setattr(static_mod, "capture_graph", fake_capture)
+    graphs = _use_fake_graphs(monkeypatch, static_mod)
     target, drafter = tiny
     tree = dict(MODES)["tree"]
     width = tree["total_tokens"] + 1  # the tree's verify width

@@ -246,9 +246,10 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         + (f"; {copies} answers per prompt (copies 1-{copies - 1} sampled at temperature "
            f"{cfg.generate.sample_temperature})" if copies > 1 else ""))
     shares = [n_synthetic // n + (i < n_synthetic % n) for i in range(n)]
+    synthetic_parts = [out / f"synthetic.part-{i:03d}.jsonl" for i in range(n)]
     results = ray.get(
         [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length,
-                      {"count": shares[i], "path": str(out / f"synthetic.part-{i:03d}.jsonl"), "actor": i})
+                      {"count": shares[i], "path": str(synthetic_parts[i]), "actor": i})
          for i, a in enumerate(actors)]
     )
     for a in actors:
@@ -259,8 +260,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         say(f"[generate] {len(too_long)} prompts rejected: too long for data.max_length={cfg.data.max_length}")
 
     joined = out / CONVERSATIONS_FILE
-    synthetic_ids = [s.sample_id for i in range(n) if (out / f"synthetic.part-{i:03d}.jsonl").exists()
-                     for s in read_synthetic(out / f"synthetic.part-{i:03d}.jsonl")]
+    synthetic_ids = [s.sample_id for p in synthetic_parts if p.exists() for s in read_synthetic(p)]
     ids = joined_order([s["sample_id"] for s in samples] + synthetic_ids, copies)
     count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
     per_copy = [sum(res["per_copy"][c]["total"] for res in results) for c in range(copies)]
