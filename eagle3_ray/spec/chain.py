@@ -121,20 +121,17 @@ def chain_step(
     out = runner.forward(ids)  # logits [K+1, V]: row i predicts the token after ids[i]
     mark("verify")
     if s.greedy:  # one host transfer: the drafts and the target's argmax at every position
-        best = out.logits.argmax(dim=-1)  # [K+1]
-        host = torch.cat([drafts, best]).tolist()
+        host = torch.cat([drafts, out.logits.argmax(dim=-1)]).tolist()
         accepted, token = accept_greedy_chain(host[: drafts.shape[0]], host[drafts.shape[0]:])
         draft_ids = host[: drafts.shape[0]]
-        next_ids = best[: accepted + 1]  # the accepted drafts are the target's argmax: no host-to-device copy
     else:
         draft_ids = draft.ids
         accepted, token = verify_chain(out.logits, draft_ids, draft.q, s)
-        next_ids = None
     runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
     new_tokens = draft_ids[:accepted] + [token]
     mark("accept")
     aux = None if out.aux is None else out.aux[: accepted + 1]  # the states that produced new_tokens
-    proposer.extend(torch.tensor(new_tokens, device=runner.device) if next_ids is None else next_ids, aux)
+    proposer.extend(torch.tensor(new_tokens, device=runner.device), aux)
     mark("commit")
     return new_tokens, accepted
 

@@ -17,12 +17,9 @@ writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead o
   overwrites before anything reads them.
 
 So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and the commit of each
-width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed.
-A commit after a verify waits for the next draft and runs inside that draft's graph (one step: commit
-then draft), so a cycle is two graph replays, the drafter's and the target's verify (a tree's graph
-also selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``); a
-commit runs alone only when the next draft pads to another width or is sampled. Timed per part, the
-commit's work is then inside "draft" (the "commit" part is the host's bookkeeping). Off CUDA, and for
+width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed (a
+chain cycle is then three graph replays: commit, draft, the target's verify; a tree's graph also
+selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). Off CUDA, and for
 prompts (their length varies) and sampled chains (the sampler's generator lives on the host side),
 the same functions run eagerly. ``StaticTarget.proposer`` builds one per drafter next to the
 target's storage, so the verify and the draft share one preallocated state.
@@ -115,7 +112,6 @@ class StaticProposer:
     # -- the Proposer interface ----------------------------------------------------------------
     def begin(self, prompt: torch.Tensor) -> None:
         self.committed = 0
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None  # padded commit not yet run
         self.hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
 
     @torch.inference_mode()
@@ -123,53 +119,14 @@ class StaticProposer:
         assert aux is not None and aux.shape[0] == next_ids.shape[0], "EAGLE-3 needs one aux state per token"
         m = next_ids.shape[0]
         ids, aux = next_ids.to(self.device), aux.to(self.device)
-        if self.committed == 0:  # a prompt: its own length, eagerly
-            self.hidden = self._call(("extend", m), self._extend, {"ids": ids, "aux": aux, "past": 0, "last": m - 1},
-                                     m, f"a commit of {m}", graph=False)
-        else:  # runs inside the next draft's graph (module doc)
-            self._flush()
-            self._pending = self._padded(ids, aux, m)
-        self.committed += m
-
-    def _padded(self, ids: torch.Tensor, aux: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A commit padded to the mode's width by repeating its last pair (module doc)."""
-        width = max(m, self._pad)
-        if width > m:
+        width = max(m, self._pad) if self.committed > 0 else m  # a prompt: its own length, eagerly
+        if width > m:  # repeat the last pair: padding rows come after the real ones (module doc)
             ids = torch.cat([ids, ids[-1:].expand(width - m)])
             aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
-        return ids, aux, m
-
-    def _flush(self) -> None:
-        """Run a pending commit on its own (a second commit, or a draft of another mode, before a draft)."""
-        if self._pending is None:
-            return
-        ids, aux, m = self._pending
-        self._pending = None
-        width = ids.shape[0]
-        past = self.committed - m
         self.hidden = self._call(("extend", width), self._extend,
-                                 {"ids": ids, "aux": aux, "past": past, "last": m - 1},
-                                 width, f"a commit of {width}", graph=True, past=past)
-
-    def _draft(self, key: tuple, fn: Callable[..., object], width: int, what: str, graph: bool):
-        """``fn(hidden, past)`` from the last commit: with a pending commit of this mode's width, the
-        commit and the draft run as one step (one graph replay); ``fn``'s output tuple-flattened."""
-        if self._pending is not None and self._pending[0].shape[0] == self._pad and graph:
-            ids, aux, m = self._pending
-            self._pending = None
-            past = self.committed - m
-
-            def fused(ids, aux, past, last):
-                hidden = self._extend(ids, aux, past, last)
-                out = fn(hidden, past + last + 1)
-                return (*out, hidden) if isinstance(out, tuple) else (out, hidden)
-
-            *out, self.hidden = self._call(("extend", self._pad, *key), fused,
-                                           {"ids": ids, "aux": aux, "past": past, "last": m - 1},
-                                           self._pad + width, what, graph=True, past=past)
-            return tuple(out) if len(out) > 1 else out[0]
-        self._flush()
-        return self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, width, what, graph=graph)
+                                 {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
+                                 width, f"a commit of {width}", graph=self.committed > 0)
+        self.committed += m
 
     @torch.inference_mode()
     def draft_chain(self, k: int, s: Sampling) -> Draft:
@@ -177,10 +134,11 @@ class StaticProposer:
         what = f"a chain of {k} drafts"
         if s.greedy:
             fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
-            return Draft(self._draft(("chain", k), fn, k, what, graph=True), None)  # on the device: no host sync
+            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what, graph=True)
+            return Draft(ids, None)  # on the device: the verify reads it without a host sync
         fn = lambda hidden, past: self._chain_sampled(hidden, past, k, s)  # noqa: E731
-        ids, qs = self._draft(("chain-sampled", k), fn, k, what,
-                              graph=False)  # the sampler's generator lives on the host side: eagerly
+        ids, qs = self._call(("chain-sampled", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what,
+                             graph=False)  # the sampler's generator lives on the host side: eagerly
         return Draft(ids, qs)
 
     @torch.inference_mode()
@@ -195,8 +153,8 @@ class StaticProposer:
             return tree.tokens, tree.parents, tree.depth, tree.visible
 
         key = ("tree", topk, depth, total_tokens)
-        return DraftTree(*self._draft(key, fn, (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}",
-                                      graph=True))
+        return DraftTree(*self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, (depth - 1) * topk,
+                                     f"a tree of depth {depth} and top-{topk}", graph=True))
 
     # -- fixed-shape functions: run eagerly or captured ------------------------------------------
     def _extend(self, ids, aux, past, last) -> torch.Tensor:
@@ -276,13 +234,12 @@ class StaticProposer:
 
     # -- graphs -------------------------------------------------------------------------------
     def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int], width: int,
-              what: str, graph: bool, past: int | None = None):
+              what: str, graph: bool):
         """``fn(**args)`` attending over the smallest span holding the ``width`` slots it writes after
-        ``past`` (default: the committed ones), through the graph of (``key``, span) when graphs are
-        on (captured on first use); int arguments become 0-d long tensors."""
-        end = (self.committed if past is None else past) + width
-        self._fits(end, what)
-        span = span_for(self.spans, end)
+        the committed ones, through the graph of (``key``, span) when graphs are on (captured on
+        first use); int arguments become 0-d long tensors."""
+        self._fits(self.committed + width, what)
+        span = span_for(self.spans, self.committed + width)
         entry = None
         if graph and self.cuda_graphs:
             self._steps.setdefault(key, (fn, args, width))
