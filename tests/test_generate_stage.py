@@ -299,3 +299,36 @@ def test_synthetic_ids_may_not_be_taken_by_the_input(tmp_path):
     cfg = load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=2"])
     with pytest.raises(DataError, match=r"ids starting 'synthetic:'.*generate.synthetic_prompts=0"):
         run_generate(cfg, str(data), tmp_path / "gen")
+
+
+def test_a_rerun_under_other_answer_settings_refuses_to_resume_the_old_answers(tmp_path):
+    """The part files resume by id; answers written under another target, temperature, length or
+    seed must not be mixed into a rerun: the stage refuses, says which settings changed and what to
+    delete; settings that do not change an answer (batch size, more copies) resume."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.extract.generate_stage import ANSWERS_META, answer_settings, check_answer_settings, run_generate
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    cfg = load_config("configs/ci-tiny.yaml", ["generate.max_new_tokens=4"])
+    check_answer_settings(out, answer_settings(cfg))  # a first run: records the settings
+    assert json.loads((out / ANSWERS_META).read_text())["generate.max_new_tokens"] == 4
+    (out / "conversations.part-000.jsonl").write_text(json.dumps({"id": "a", "conversations": []}) + "\n")
+    for same in (["generate.batch_size=3"], ["generate.samples_per_prompt=3"], ["generate.synthetic_prompts=5"]):
+        check_answer_settings(out, answer_settings(load_config("configs/ci-tiny.yaml",
+                                                               ["generate.max_new_tokens=4", *same])))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": "a", "turns": ["Hi?"]}) + "\n")
+    other = load_config("configs/ci-tiny.yaml", ["generate.max_new_tokens=8", "generate.temperature=0.5"])
+    with pytest.raises(ConfigError, match=r"generate.max_new_tokens=4 then, 8 now; generate.temperature=0.0 then, "
+                                          r"0.5 now.*delete .*conversations.part-\*.jsonl"):
+        run_generate(other, str(data), out)  # refused before any actor starts
+    (out / "conversations.part-000.jsonl").unlink()  # answers deleted: the new settings are recorded
+    check_answer_settings(out, answer_settings(other))
+    assert json.loads((out / ANSWERS_META).read_text())["generate.max_new_tokens"] == 8
+    (out / "synthetic.part-000.jsonl").write_text("")  # the target's own requests count as answers too
+    with pytest.raises(ConfigError, match="target.model"):
+        check_answer_settings(out, answer_settings(load_config(
+            "configs/ci-tiny.yaml", ["generate.max_new_tokens=8", "generate.temperature=0.5",
+                                     "target.model=random:builtin:llama3.1-8b-shape"])))

@@ -21,6 +21,11 @@ prompt's copies together, copy 0 first. Training holds a prompt's copies out tog
 ``generate.synthetic_prompts`` = m > 0: the actors first write m user requests of the target's own
 (data/synthetic.py), actor i its share into ``synthetic.part-<i>.jsonl``, and answer them with their
 input prompts; the join puts them after the input's records, each with its copies.
+
+A rerun resumes the part files (``answers_meta.json`` beside them records what decides an answer's
+text: ``answer_settings``). When those settings changed since the parts were written (another
+target, temperature, answer length, seed, ...) the stage refuses with a ``ConfigError`` instead of
+mixing old answers into the new run; other changes (batch size, more copies, more requests) resume.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_ray.atomic import write_stream
+from eagle3_ray.atomic import write_json, write_stream
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.data.synthetic import SYNTHETIC_ID, read_synthetic
-from eagle3_ray.errors import DataError
+from eagle3_ray.errors import ConfigError, DataError
 from eagle3_ray.progress import say
 
 CONVERSATIONS_FILE = "conversations.jsonl"
+ANSWERS_META = "answers_meta.json"  # answer_settings of the part files beside it
+PART_GLOBS = ("conversations.part-*.jsonl", "synthetic.part-*.jsonl")
 COPY_TAG = "#s"  # <id>#s<copy>: the sampled copies 1..n-1 of a prompt (generate.samples_per_prompt)
 _COPY_SUFFIX = re.compile(re.escape(COPY_TAG) + r"[0-9]+\Z")
 
@@ -203,6 +210,36 @@ def check_copy_ids(samples: list, copies: int) -> None:
                 )
 
 
+def answer_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The settings that decide what an answer (or a request the target writes) says. The sampled
+    copies' temperature counts only with copies (``generate.samples_per_prompt`` > 1)."""
+    t, d, g = cfg.target, cfg.data, cfg.generate
+    settings = {"target.model": t.model, "target.dtype": t.dtype, "target.seed": t.seed,
+                "data.system_prompt": d.system_prompt, "generate.max_new_tokens": g.max_new_tokens,
+                "generate.temperature": g.temperature, "generate.top_p": g.top_p, "generate.seed": g.seed}
+    if g.samples_per_prompt > 1:
+        settings["generate.sample_temperature"] = g.sample_temperature
+    return settings
+
+
+def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Before answering into ``out``: ``ConfigError`` when its part files were written under other
+    ``answer_settings`` (a rerun resumes them, so it would mix old answers with new ones); then
+    records ``settings`` beside them. Parts without a record (written before it existed) resume."""
+    meta = out / ANSWERS_META
+    parts = [p for pattern in PART_GLOBS for p in sorted(out.glob(pattern))]
+    if parts and meta.is_file():
+        before = json.loads(meta.read_text(encoding="utf-8"))
+        changed = [f"{k}={before[k]!r} then, {v!r} now" for k, v in settings.items() if k in before and before[k] != v]
+        if changed:
+            raise ConfigError(
+                f"{out} holds answers written under other settings ({'; '.join(changed)}), and a rerun resumes "
+                f"them: delete {' and '.join(str(out / g) for g in PART_GLOBS)} (or the directory) to answer "
+                "again, use another --out, or set those options back"
+            )
+    write_json(meta, settings, sort_keys=True)
+
+
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
@@ -231,6 +268,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         raise DataError(f"the input has ids starting {SYNTHETIC_ID!r} ({taken[0]!r}, ...), which "
                         f"generate.synthetic_prompts={n_synthetic} gives the target's own requests; rename those "
                         "records or set generate.synthetic_prompts=0")
+    check_answer_settings(out, answer_settings(cfg))
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out / REJECTS_FILE, rejects)
 
