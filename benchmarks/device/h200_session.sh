@@ -12,6 +12,7 @@
 #   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
 #   gg1   (carry .gg/part-aa)     first half of the GGUF -> /tmp
 #   gg2   (carry .gg/part-ab .gq) /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+#   gen   (carry .gen)            a product run's generate.tgz.part-* -> /tmp/gen (product_h200.sh restores them)
 #   sgl1, sgl2 (carry .sgl/part-a{a,b}) pieces -> /tmp
 #   sgl3  (carry .sgl/part-ac)    SGLang 0.5.17 -> /tmp/sgl; PYTHONPATH=/tmp/sgl:/tmp/base:$PWD
 #   env   (nothing carried)       PYTHONPATH for whatever was installed
@@ -25,6 +26,7 @@ case "${1:-env}" in
   gg1) cp .gg/part-aa /tmp/gg-aa ;;
   gg2) [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/gg-aa .gg/part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
        mkdir -p /tmp/gq && cp -r .gq/. /tmp/gq/ ;;
+  gen) mkdir -p /tmp/gen && cp .gen/generate.tgz.part-* /tmp/gen/ ;;  # a product run's returned conversations
   sgl1) cp .sgl/part-aa /tmp/sgl-aa ;;
   sgl2) cp .sgl/part-ab /tmp/sgl-ab ;;
   sgl3) if [ ! -f /tmp/sgl/.ready ]; then

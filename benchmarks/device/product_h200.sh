@@ -10,9 +10,27 @@
 #   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_h200.sh
 #   EXTRA="$(cat benchmarks/device/product4_extra.txt)" adds overrides (one word each, no spaces): the
 #   next run's, with the target's own requests (the third run's differ only in its generate options).
+#
+# The generate stage's output (the conversations: minutes of device time) also comes back, once, as
+# generate.tgz.part-* (under the 16-MiB limit on a returned file). On a fresh machine (the last one went
+# back between calls, or a later session) put those parts under .gen/ (carried; or /tmp/gen, copied by an
+# earlier call: `source benchmarks/device/h200_session.sh gen`) and the run starts past generate: its
+# marker's hash matches when the config and --data are the same.
 set -uo pipefail
 : "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}"
 mkdir -p "$RUN" "$OUT"
+restore_generate() {  # <dir with generate.tgz.part-*>: unpack into $RUN/out unless a generate stage is there
+  local parts=("$1"/generate.tgz.part-*)
+  [ -e "${parts[0]}" ] && [ ! -f "$RUN/out/generate/_DONE.json" ] || return 0
+  mkdir -p "$RUN/out" && cat "${parts[@]}" | tar -xz -C "$RUN/out" && touch "$RUN/.generate-returned" &&
+    echo "restored the generate stage from $1 ($(wc -l < "$RUN/out/generate/conversations.jsonl") conversations)"
+}
+return_generate() {  # a finished generate stage, once per run: $OUT/generate.tgz.part-*
+  [ -f "$RUN/out/generate/_DONE.json" ] && [ ! -f "$RUN/.generate-returned" ] || return 0
+  tar -czf - -C "$RUN/out" --exclude='*.part-*' generate | split -b 15000000 - "$OUT/generate.tgz.part-" &&
+    touch "$RUN/.generate-returned"
+}
+for d in .gen /tmp/gen; do restore_generate "$d"; done
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
 call=$(( $(ls "$RUN"/call-*.log 2>/dev/null | wc -l) + 1 ))
 log="$RUN/call-$call.log"
@@ -31,5 +49,6 @@ echo "call $call: rc $rc after $(( $(date +%s) - t0 )) s"
 # in parts under the 16-MiB limit on a returned file (a whole 23-MB archive stayed behind once):
 #   cat drafter.tgz.part-* | tar -xz
 [ -d "$RUN/out/drafter" ] && tar -czf - -C "$RUN/out" drafter | split -b 15000000 - "$OUT/drafter.tgz.part-"
+return_generate
 ls -la "$OUT"
 exit 0
