@@ -42,7 +42,7 @@ def suites(tmp_path_factory):
         with open(log, "w") as f:  # a file, not a pipe: a suite left unread cannot block on a full pipe
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                 str(REPO / "tests" / "sglang_contract")],
+                 f"--basetemp={logs / version}", str(REPO / "tests" / "sglang_contract")],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
         started[version] = (proc, log)
     yield started

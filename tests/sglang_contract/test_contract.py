@@ -492,6 +492,7 @@ _RANK_SCRIPT = textwrap.dedent(
     hook = capture_hook_factory({"dir": out + "/shm", "tp_size": 2})
     heavy = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "sglang", "transformers")))
     json.dump({"hook": hook is not None, "heavy": heavy}, open(f"{out}/rank{rank}.json", "w"))
+    dist.barrier()  # a rank leaving while its peer still connects fails the peer ("closed by peer")
     dist.destroy_process_group()
     """
 )
