@@ -49,6 +49,10 @@ STAGE_DEPS = {
     "bench": ("target", "data", "generate", "vocab", "train", "bench"),
 }
 
+# Options that change how a stage runs, never what it writes: out of the hashes, so that setting
+# them (or their arrival in a new version) does not redo finished stages.
+UNHASHED = {"train": ("val_cache_bytes",)}
+
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     full = config_to_dict(cfg)
@@ -57,6 +61,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
                             if k not in ("samples_per_prompt", "sample_temperature")}
     if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
         full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
+    for section, keys in UNHASHED.items():
+        full[section] = {k: v for k, v in full[section].items() if k not in keys}
     part = {k: full[k] for k in STAGE_DEPS[stage]}
     part["_data"] = data
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]

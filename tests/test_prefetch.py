@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from eagle3_ray.train.prefetch import PackPrefetcher
+from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
 
 CPU = torch.device("cpu")
 
@@ -75,3 +76,46 @@ def test_cuda_packs_are_ready_on_the_training_stream():
         while (item := p.next()) is not None:
             assert item[1]["x"].device.type == "cuda"
             assert (item[1]["x"] == float(item[0].split(":")[1])).all()
+
+
+def _held_out_source(n=3, tokens=4):
+    """A source as a held-out shard yields it: rows of arrays, read-only views like Ray's, counted."""
+    reads = []
+
+    def read():
+        reads.append(1)
+        for i in range(n):
+            ids = np.arange(i, i + tokens)
+            ids.flags.writeable = False
+            yield {"key": f"p{i}", "input_ids": ids, "aux_hidden": np.full((tokens, 6), i, np.uint16)}
+
+    return read, reads
+
+
+def _passes(cache, n):
+    return [[(r["key"], r["input_ids"].tolist(), int(r["aux_hidden"].sum())) for r in cache] for _ in range(n)]
+
+
+def test_the_held_out_rows_are_read_once_and_replayed():
+    read, reads = _held_out_source()
+    cache = ReplayCache(read, max_bytes=1 << 20)
+    first, *rest = _passes(cache, 3)
+    assert all(p == first for p in rest) and [k for k, *_ in first] == ["p0", "p1", "p2"]
+    assert len(reads) == 1 and cache.reads == 1
+    assert cache.rows[0]["input_ids"].flags.writeable  # copies, not the source's views
+
+
+def test_a_source_over_the_cap_is_read_every_time_and_an_interrupted_pass_is_not_kept():
+    read, reads = _held_out_source()
+    row_bytes = 4 * 8 + 4 * 6 * 2
+    over = ReplayCache(read, max_bytes=2 * row_bytes)  # two of the three rows fit
+    assert _passes(over, 3)[0] == _passes(over, 1)[0] and len(reads) == 4 and over.rows is None
+    never = ReplayCache(_held_out_source()[0], max_bytes=0)
+    _passes(never, 2)
+    assert never.reads == 2
+    read, reads = _held_out_source()
+    cut = ReplayCache(read, max_bytes=1 << 20)
+    next(iter(cut))  # an evaluation stopped after one row
+    assert cut.rows is None
+    _passes(cut, 2)
+    assert len(reads) == 2  # read again once, complete, then replayed

@@ -94,6 +94,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     full = config_to_dict(cfg)
     for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
         del full["generate"][k]
+    del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
                              .encode()).hexdigest()[:16]
@@ -105,5 +106,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     assert _stage_hash(two, "train", "d") != _stage_hash(
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.val_cache_bytes=0"]), "bench", "d") == \
+        _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
         _stage_hash(cfg, "generate", "d")  # the target's own requests: other data

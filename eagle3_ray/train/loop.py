@@ -29,7 +29,7 @@ from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
 from eagle3_ray.train.data import row_to_batch
-from eagle3_ray.train.prefetch import PackPrefetcher
+from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
 from eagle3_ray.train.schedule import warmup_cosine
 from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention  # noqa: F401 (importable from here)
 
@@ -173,7 +173,7 @@ class Trainer:
         # that predates the count); `unsynced_tokens` this rank's tokens since.
         self.train_tokens: int | None = 0
         self.unsynced_tokens = 0
-        self.engine = self.train_step = self.vote_group = self.val_shard = None
+        self.engine = self.train_step = self.vote_group = self.val_shard = self.val_rows = None
 
     def setup(self) -> Trainer:
         import deepspeed  # heavy: imported in the worker only
@@ -205,6 +205,8 @@ class Trainer:
         name = f"val_{self.rank}"
         if job.val_packs and name in job.val_datasets:
             self.val_shard = ray.train.get_dataset_shard(name)
+            # read once, then replayed: each pass over the shard is a new execution of its dataset
+            self.val_rows = ReplayCache(lambda: pack_stream(self.val_shard), t.val_cache_bytes)
         return self
 
     def restore(self) -> tuple[int, set[str]]:
@@ -256,7 +258,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over this rank's share of the held-out packs (none when it has none),
         summed over the ranks (on the host gloo group) before the token-weighted means."""
-        rows = pack_stream(self.val_shard) if self.val_shard is not None else ()  # a fresh pass each time
+        rows = self.val_rows if self.val_rows is not None else ()
         sums = self.train_step.held_out_sums(self._convert(row) for row in rows)
         if self.vote_group is not None:
             torch.distributed.all_reduce(sums, group=self.vote_group)

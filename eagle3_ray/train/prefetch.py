@@ -17,6 +17,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 _END = object()
@@ -110,3 +111,38 @@ class PackPrefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ReplayCache:
+    """The rows of a source read again and again (a worker's held-out packs, at every evaluation).
+
+    The first complete pass reads ``read()`` and keeps copies of its rows, up to ``max_bytes`` of
+    arrays; later passes replay the copies without reading the source. On Ray Data every read of
+    the held-out shard starts a new execution of its dataset: 14-16 s for 18 packs on the H200, nine
+    times in a 1,727-step run (benchmarks/results/README.md, the 2026-12-03 night session). A source
+    over the cap is read every time, as before; ``max_bytes=0`` never keeps anything.
+    """
+
+    def __init__(self, read: Callable[[], Iterable[dict]], max_bytes: int):
+        self.read, self.max_bytes = read, max_bytes
+        self.rows: list[dict] | None = None  # set once a whole pass fit under the cap
+        self.too_big = max_bytes <= 0
+        self.reads = 0  # passes that read the source
+
+    def __iter__(self):
+        if self.rows is not None:
+            yield from self.rows
+            return
+        self.reads += 1
+        kept: list[dict] | None = None if self.too_big else []
+        size = 0
+        for row in self.read():
+            if kept is not None:
+                size += sum(v.nbytes for v in row.values() if isinstance(v, np.ndarray))
+                if size > self.max_bytes:
+                    kept, self.too_big = None, True
+                else:  # copies: a row's arrays may be views of Ray's object store, freed after the pass
+                    kept.append({k: v.copy() if isinstance(v, np.ndarray) else v for k, v in row.items()})
+            yield row
+        if kept is not None:  # only a complete pass: an interrupted one is read again next time
+            self.rows = kept
