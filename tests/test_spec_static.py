@@ -458,3 +458,61 @@ def test_chunked_prefill_through_graphs_shared_with_a_verify(tiny, forward_width
     assert forward_widths[0] == (0, 19)
     with pytest.raises(ConfigError, match="prefill_width"):
         StaticTarget(target, drafter.config.aux_layers, max_length=64, prefill_width=-1)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-calls", "fake-graphs"])
+def test_a_prompt_in_chunks_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
+    """Proposer level, fp32: a prompt extended in padded chunks of ``prompt_width`` (through that
+    width's graph when graphs are on) leaves the eager Eagle3Proposer's state (the last row's output,
+    the committed count) and gives its chains and trees, also after a commit; a prompt whose padded
+    chunks would not fit ``max_length`` runs as one eager pass."""
+    target, drafter = tiny
+    width = 3 * target.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    chunk = 4
+    widths: list[int] = []
+    hook = drafter.midlayer.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    try:
+        _chunked_prompts(target, drafter, graphs, monkeypatch, widths, chunk, width, g)
+    finally:
+        hook.remove()
+    with pytest.raises(ConfigError, match="prompt_width"):
+        StaticProposer(drafter, max_length=10, prompt_width=-1)
+
+
+def _chunked_prompts(target, drafter, graphs, monkeypatch, widths, chunk, width, g):
+    static = StaticProposer(drafter, max_length=160, prompt_width=chunk)
+    if graphs:
+        fakes = _use_fake_graphs(monkeypatch)
+        static.cuda_graphs = True
+    with torch.inference_mode():
+        for n in (3, 4, 9, 13):  # one chunk padded, one exact, three and four chunks
+            prompt = torch.randint(3, target.config.vocab_size, (n,), generator=g)
+            aux = torch.randn(n, width, generator=g)
+            eager = Eagle3Proposer(drafter)
+            for p in (eager, static):
+                p.begin(prompt)
+            widths.clear()
+            eager.extend(prompt, aux)
+            assert widths == [n]
+            widths.clear()
+            static.extend(prompt, aux)
+            if not graphs:  # replays of a graph run no module hooks of their own after the capture
+                assert widths == [chunk] * -(-n // chunk)
+            assert static.committed == eager.committed == n
+            torch.testing.assert_close(static.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
+            assert eager.draft_chain(3, Sampling()).ids == static.draft_chain(3, Sampling()).ids
+            ids, more = torch.randint(3, target.config.vocab_size, (2,), generator=g), torch.randn(2, width, generator=g)
+            eager.extend(ids, more)
+            static.extend(ids, more)
+            a, b = eager.draft_tree(3, 4, 10), static.draft_tree(3, 4, 10)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    if graphs:
+        assert ("extend", chunk) in static.captured and sum(f.replays for f in fakes) > 0
+    near = StaticProposer(drafter, max_length=10, prompt_width=chunk)  # 9 pairs: 3 chunks = 12 slots > 10
+    with torch.inference_mode():
+        prompt = torch.randint(3, target.config.vocab_size, (9,), generator=g)
+        near.begin(prompt)
+        widths.clear()
+        near.extend(prompt, torch.randn(9, width, generator=g))
+    assert widths == [9] and near.committed == 9

@@ -156,7 +156,8 @@ class StaticTarget:
         held = self._proposers.get(id(drafter))
         if held is None or held[0] is not drafter:
             held = self._proposers[id(drafter)] = (
-                drafter, StaticProposer(drafter, self.max_length + DRAFT_HEADROOM, cuda_graphs=self.cuda_graphs))
+                drafter, StaticProposer(drafter, self.max_length + DRAFT_HEADROOM, cuda_graphs=self.cuda_graphs,
+                                        prompt_width=self.prefill_width))
         return held[1]
 
     # -- the forward, shared by eager calls and graph capture ---------------------------------

@@ -19,10 +19,12 @@ writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead o
 So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and the commit of each
 width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed (a
 chain cycle is then three graph replays: commit, draft, the target's verify; a tree's graph also
-selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). Off CUDA, and for
-prompts (their length varies) and sampled chains (the sampler's generator lives on the host side),
-the same functions run eagerly. ``StaticTarget.proposer`` builds one per drafter next to the
-target's storage, so the verify and the draft share one preallocated state.
+selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). A prompt
+runs as padded chunks of ``prompt_width`` through that width's graph, as the target's prefill does (or
+as one eager pass without it: a prompt's length varies). Off CUDA, and for sampled chains (the
+sampler's generator lives on the host side), the same functions run eagerly. ``StaticTarget.proposer``
+builds one per drafter next to the target's storage, so the verify and the draft share one
+preallocated state.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ class StaticProposer:
     ``max_length``: drafter positions of the longest generation (prompt + new tokens) plus the
     widest draft (K for a chain, (depth - 1) * topk for a tree); ``StaticTarget.proposer`` sizes it
     from the target's. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
+    ``prompt_width``: extend over a prompt in chunks of this many pairs, the last one padded, each
+    through the graph of that width (as ``StaticTarget``'s chunked prefill; 0: one eager pass).
     """
 
-    def __init__(self, drafter: Eagle3Drafter, max_length: int, cuda_graphs: bool = True):
+    def __init__(self, drafter: Eagle3Drafter, max_length: int, cuda_graphs: bool = True, prompt_width: int = 0):
         cfg = drafter.config
         weight = drafter.fc.weight
         self.drafter = drafter
@@ -107,6 +111,9 @@ class StaticProposer:
         self.graph_keys: list[tuple] = []  # step key + (span,) of every graph, in capture order
         self.capture_errors: dict[str, str] = {}  # graph key -> why its capture failed (that step then runs eagerly)
         self._pad = 1  # commit width after a verify: set by the last draft (K+1 / depth+1)
+        if prompt_width < 0:
+            raise ConfigError(f"prompt_width={prompt_width}: give 0 (eager prompts) or a chunk width")
+        self.prompt_width = prompt_width
         self.begin(torch.empty(0))
 
     # -- the Proposer interface ----------------------------------------------------------------
@@ -119,13 +126,25 @@ class StaticProposer:
         assert aux is not None and aux.shape[0] == next_ids.shape[0], "EAGLE-3 needs one aux state per token"
         m = next_ids.shape[0]
         ids, aux = next_ids.to(self.device), aux.to(self.device)
+        c = self.prompt_width
+        if self.committed == 0 and c and -(-m // c) * c <= self.max_length:
+            # A prompt in chunks of c through their graph: eagerly, its ~50-75 drafter kernels were
+            # launched one by one, milliseconds a turn (the chain's prefill: 8.2 ms against the
+            # target-only 4.8 on an H200, benchmarks/results/README.md, the 2026-12-03 night session).
+            for lo in range(0, m, c):
+                self._extend_padded(ids[lo:lo + c], aux[lo:lo + c], c, f"a prompt chunk of {c}", graph=True)
+            return
         width = max(m, self._pad) if self.committed > 0 else m  # a prompt: its own length, eagerly
+        self._extend_padded(ids, aux, width, f"a commit of {width}", graph=self.committed > 0)
+
+    def _extend_padded(self, ids: torch.Tensor, aux: torch.Tensor, width: int, what: str, graph: bool) -> None:
+        m = ids.shape[0]
         if width > m:  # repeat the last pair: padding rows come after the real ones (module doc)
             ids = torch.cat([ids, ids[-1:].expand(width - m)])
             aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
         self.hidden = self._call(("extend", width), self._extend,
                                  {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
-                                 width, f"a commit of {width}", graph=self.committed > 0)
+                                 width, what, graph=graph)
         self.committed += m
 
     @torch.inference_mode()
