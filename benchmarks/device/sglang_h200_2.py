@@ -497,6 +497,12 @@ KEYS = {"a": "sglang_extract_ratio", "c": "sglang_generate_vs_hf", "d": "deepsee
         "b": "sglang_kill_every_sample_once", "e": "sglang_plain_vs_graphed_plain"}
 
 
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def run_part(a) -> None:
     name, fn, _, _ = PARTS[a.part]
     t = time.perf_counter()
@@ -506,6 +512,8 @@ def run_part(a) -> None:
         res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         log(res["traceback"])
     res["part_seconds"] = time.perf_counter() - t
+    res["command"] = " ".join(["python3", *sys.argv])  # this part's own process (--part)
+    res["device"] = _device_name()
     if a.part != "prep":
         (Path(a.out) / f"sglang2_{name}.json").write_text(json.dumps(res, indent=1, default=str))
     log(f"part {a.part} ({name}) done in {res['part_seconds']:.0f}s ok={res['ok']}")
@@ -518,8 +526,8 @@ def driver(a) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-u", __file__, "--out", str(out), "--cpu"] if a.cpu else \
         [sys.executable, "-u", __file__, "--out", str(out)]
-    passthrough = ["--seq", str(a.seq), "--per-batch", str(a.per_batch), "--batches", str(a.batches), "--max-callers", str(a.max_callers),
-                   "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
+    passthrough = ["--seq", str(a.seq), "--per-batch", str(a.per_batch), "--batches", str(a.batches),
+                   "--max-callers", str(a.max_callers), "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
                    "--kill-variants", str(a.kill_variants), "--kill-after-shards", str(a.kill_after_shards)]
     bg_log = open(out / "sglang2_prep.log", "w")
     bg = subprocess.Popen([*base, *passthrough, "--part", "prep"], stdout=bg_log, stderr=subprocess.STDOUT)

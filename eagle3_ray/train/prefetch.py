@@ -127,13 +127,11 @@ class ReplayCache:
         self.read, self.max_bytes = read, max_bytes
         self.rows: list[dict] | None = None  # set once a whole pass fit under the cap
         self.too_big = max_bytes <= 0
-        self.reads = 0  # passes that read the source
 
     def __iter__(self):
         if self.rows is not None:
             yield from self.rows
             return
-        self.reads += 1
         kept: list[dict] | None = None if self.too_big else []
         size = 0
         for row in self.read():
