@@ -25,6 +25,7 @@ from eagle3_ray.bench.report import REPORT_NAME
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
 from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
+from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.generate_stage import run_generate
 from eagle3_ray.extract.pipeline import run_extract, run_prepare
 from eagle3_ray.extract.vocab_stage import run_vocab
@@ -35,6 +36,9 @@ from eagle3_ray.train.checkpoint import export_from_training
 from eagle3_ray.train.trainer import run_training
 
 DONE = "_DONE.json"
+# The run's input data (path, size, content hash) at the top of --out: the stages resume by sample id,
+# so a rerun over other data would keep the old records' answers and features; it is refused.
+INPUTS = "inputs.json"
 # Stages whose output directory is not named after the stage (their marker sits there).
 OUTPUT_DIRS = {"extract": "features", "export": "drafter"}
 
@@ -132,7 +136,39 @@ def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path,
         return _locked_run(cfg, data, out, stop_after, t0)
 
 
+def data_fingerprint(cfg: PipelineConfig, data: str | None) -> dict[str, Any]:
+    """The run's input data file: its path, size and sha256 (read in 16 MiB chunks)."""
+    path = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return {"data": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
+    """``ConfigError`` when ``out`` was written from input data of other content (``INPUTS`` records
+    it): every stage resumes by sample id, so records edited under the same ids (or another file
+    whose records share ids, such as its line numbers) would keep the old answers and features.
+    The same content at another path passes. An out dir without the record (written before it
+    existed) is taken as written from this data."""
+    now = data_fingerprint(cfg, data)
+    record = out / INPUTS
+    if record.is_file():
+        before = json.loads(record.read_text(encoding="utf-8"))
+        if before.get("sha256") != now["sha256"]:
+            raise ConfigError(
+                f"{out} was written from other input data: {before.get('data')} ({before.get('bytes')} bytes, "
+                f"sha256 {str(before.get('sha256'))[:12]}...) then, {now['data']} ({now['bytes']} bytes, sha256 "
+                f"{now['sha256'][:12]}...) now. The stages resume by sample id and would keep the answers and "
+                f"features of the old records: pass another --out for this data, or delete {out} to start over"
+            )
+    write_json(record, now)
+
+
 def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: str | None, t0: float):
+    out.mkdir(parents=True, exist_ok=True)
+    check_inputs(cfg, data, out)
     save_resolved(cfg, out)
     stages = StageRunner(cfg, out, data, stop_after)
     try:

@@ -110,3 +110,35 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
         _stage_hash(cfg, "generate", "d")  # the target's own requests: other data
+
+
+def test_a_rerun_over_edited_input_data_is_refused_before_any_stage(tmp_path):
+    """The stages resume by sample id: a rerun whose data file changed under the same ids (here one
+    prompt edited) would keep the old answers; run_pipeline refuses it, naming both files, before
+    any stage runs (no Ray starts). The same content at another path, and an out dir written before
+    the record existed, pass."""
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.pipeline import INPUTS, check_inputs, run_pipeline
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    data, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    data.write_text('{"id": "a", "prompt": "Name a prime."}\n{"id": "b", "prompt": "Name a colour."}\n')
+    out.mkdir()
+    check_inputs(cfg, str(data), out)  # as the first run did
+    recorded = json.loads((out / INPUTS).read_text())
+    assert recorded["data"] == str(data) and recorded["bytes"] == data.stat().st_size
+    (out / "generate").mkdir()
+    (out / "generate" / "conversations.part-000.jsonl").write_text('{"id": "a", "conversations": []}\n')
+
+    data.write_text('{"id": "a", "prompt": "Name an even prime."}\n{"id": "b", "prompt": "Name a colour."}\n')
+    with pytest.raises(ConfigError, match=r"other input data: .*prompts\.jsonl .*pass another --out"):
+        run_pipeline(cfg, str(data), out)
+    assert (out / "generate" / "conversations.part-000.jsonl").read_text() == '{"id": "a", "conversations": []}\n'
+    assert json.loads((out / INPUTS).read_text()) == recorded  # the record still names the first data
+
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(data.read_bytes())
+    (out / INPUTS).unlink()  # an out dir of a run before the record: taken as written from this data
+    check_inputs(cfg, str(data), out)
+    check_inputs(cfg, str(moved), out)  # same content, another path
+    assert json.loads((out / INPUTS).read_text())["data"] == str(moved)
