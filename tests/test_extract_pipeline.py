@@ -146,6 +146,33 @@ def test_extract_resumes_after_losing_a_shard(ci_tiny_inputs, prepared, cfg, tmp
     assert on_disk["first_shard_s"] == summary.first_shard_s and on_disk["run_tokens"] == redone
 
 
+def test_extract_refuses_to_resume_over_samples_prepared_anew_with_other_tokens(ci_tiny_inputs, prepared, cfg,
+                                                                                 tmp_path):
+    """A prepared dataset redone under other settings (here one sample cut shorter, as a smaller
+    data.max_length does, and another's loss mask changed) keeps its ids: the extraction, which
+    resumes by id, refuses to keep those samples' old hidden states and names them, before any
+    engine actor writes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.extract.pipeline import PREPARED_FILE, run_extract
+
+    out = _copy_of_session_store(ci_tiny_inputs, tmp_path / "features")
+    before = sorted(p.name for p in (out / "shards").iterdir())
+    table = pq.read_table(prepared[0] / PREPARED_FILE)
+    rows = table.to_pylist()
+    rows[0]["input_ids"] = rows[0]["input_ids"][:-3]
+    rows[0]["loss_mask"] = rows[0]["loss_mask"][:-3]
+    rows[0]["num_tokens"] -= 3
+    rows[1]["loss_mask"] = [0] * len(rows[1]["loss_mask"])
+    (tmp_path / "prepared").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / "prepared" / PREPARED_FILE)
+    with pytest.raises(ConfigError, match=r"holds 2 of 12 resumed samples .*tokens stored.*another loss mask"):
+        run_extract(cfg, tmp_path / "prepared", out)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == before
+
+
 def test_extract_compact_fp8_store_reads_back_close_to_the_full_one(store_dir, prepared, cfg, tmp_path):
     """extract.compact=fp8 end to end: half the bytes on disk, readers see bf16 near the full store."""
     from eagle3_ray.extract.pipeline import run_extract

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from eagle3_ray.atomic import tmp_path, write_file, write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.errors import DataError, StoreError
+from eagle3_ray.errors import ConfigError, DataError, StoreError
 from eagle3_ray.progress import say
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,38 @@ def read_prepared(prepared: str | Path):
     ids = [np.asarray(a, dtype=np.int32) for a in table.column("input_ids").to_numpy(zero_copy_only=False)]
     masks = [np.asarray(a, dtype=np.uint8) for a in table.column("loss_mask").to_numpy(zero_copy_only=False)]
     return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy(), ids, masks
+
+
+def check_resumed_tokens(out: Path, prepared: str | Path) -> None:
+    """``ConfigError`` when samples already in the store at ``out`` were extracted from other tokens
+    (or loss masks) than ``prepared`` now holds under their ids: the extraction resumes by id, so a
+    prepared dataset redone under other settings (data.max_length, a system prompt, another chat
+    template, new answers) would keep the hidden states of the old tokens. Reads the prepared
+    tokens and the store's token columns, never its hidden states."""
+    from eagle3_ray.features.store import committed_tokens
+
+    sample_ids, _, ids, masks = read_prepared(prepared)
+    where = {sid: k for k, sid in enumerate(sample_ids)}
+    stale, checked = [], 0
+    for sid, stored_ids, stored_mask in committed_tokens(out):
+        k = where.get(sid)
+        if k is None:
+            continue  # not in this prepared data: never read by training over it
+        checked += 1
+        if not (np.array_equal(stored_ids, ids[k]) and np.array_equal(stored_mask, masks[k])):
+            if len(stored_ids) != len(ids[k]):
+                stale.append(f"{sid!r}: {len(stored_ids)} tokens stored, {len(ids[k])} prepared")
+            elif np.array_equal(stored_ids, ids[k]):
+                stale.append(f"{sid!r}: the same {len(ids[k])} tokens, another loss mask")
+            else:
+                stale.append(f"{sid!r}: {len(ids[k])} tokens, other ones")
+    if stale:
+        raise ConfigError(
+            f"the feature store {out} holds {len(stale)} of {checked} resumed samples extracted from other "
+            f"tokens than the prepared data gives them now ({'; '.join(stale[:3])}{'; ...' if len(stale) > 3 else ''}): "
+            "the prepared data changed since they were extracted (data, target or generate settings). "
+            f"Delete {out} (or pass another --out) to extract again, or set those options back"
+        )
 
 
 def _tokenizer_actors(resources: dict) -> int:
@@ -377,6 +409,9 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
     done = finished(out, all_ids.to_pylist())  # bool [N]: committed or rejected by an earlier run
     todo = ~done
     steps("finished")
+    if done.any():
+        check_resumed_tokens(out, src)
+        steps("check_resumed")
     todo_tokens = int(lengths[todo].sum())
     skipped = int(done.sum())
     if skipped:

@@ -290,7 +290,9 @@ def read_sample(handle: Any, sample_id: str, start: int, end: int, compact: str,
     return expand_record(rec) if fp8 and not as_stored else rec
 
 
-def read_token_columns(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """``input_ids`` int32 [N] and ``loss_mask`` uint8 [N] of every token in a shard."""
+def read_token_columns(path: str | Path, with_offsets: bool = False) -> tuple[np.ndarray, ...]:
+    """``input_ids`` int32 [N] and ``loss_mask`` uint8 [N] of every token in a shard; with
+    ``with_offsets``, the samples' token offsets int64 [n+1] first."""
     with safe_open(str(path), framework="np") as f:
-        return f.get_tensor(INPUT_IDS), f.get_tensor(LOSS_MASK)
+        columns = (f.get_tensor(INPUT_IDS), f.get_tensor(LOSS_MASK))
+        return (f.get_tensor(OFFSETS), *columns) if with_offsets else columns

@@ -231,6 +231,25 @@ def completed_ids(root: str | Path) -> set[str]:
     return done
 
 
+def committed_tokens(root: str | Path) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """(sample id, input_ids int32 [T], loss_mask uint8 [T]) of every sample in a completed shard,
+    read from the shards' token columns only (4 + 1 bytes a token, never the hidden states). A shard
+    whose header cannot be read is passed over here (the readers' ``on_corrupt`` policy decides)."""
+    for m in marker_files(root):
+        try:
+            marker = shards.read_marker(m)
+        except (OSError, ValueError):
+            continue
+        if not shard_intact(m, marker):
+            continue
+        try:
+            offsets, ids, mask = shards.read_token_columns(shard_path(m), with_offsets=True)
+        except Exception:  # noqa: BLE001 (safetensors raises its own types for a bad header)
+            continue
+        for k, sid in enumerate(marker["sample_ids"]):
+            yield sid, ids[offsets[k]:offsets[k + 1]], mask[offsets[k]:offsets[k + 1]]
+
+
 def finished(root: str | Path, sample_ids: Sequence[str]) -> np.ndarray:
     """Which of ``sample_ids`` the store is done with -> bool [n]: committed to a complete shard or
     quarantined in its rejects (a resumed extraction skips both). Reads the markers and the rejects
