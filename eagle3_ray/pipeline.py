@@ -24,7 +24,7 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.report import REPORT_NAME
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
-from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
+from eagle3_ray.data.sources import Sample, data_fingerprint, read_samples, resolve_data_path
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.generate_stage import run_generate
 from eagle3_ray.extract.pipeline import run_extract, run_prepare
@@ -136,23 +136,13 @@ def run_pipeline(cfg: PipelineConfig, data: str | None, out: str | Path,
         return _locked_run(cfg, data, out, stop_after, t0)
 
 
-def data_fingerprint(cfg: PipelineConfig, data: str | None) -> dict[str, Any]:
-    """The run's input data file: its path, size and sha256 (read in 16 MiB chunks)."""
-    path = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return {"data": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()}
-
-
 def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
     """``ConfigError`` when ``out`` was written from input data of other content (``INPUTS`` records
     it): every stage resumes by sample id, so records edited under the same ids (or another file
     whose records share ids, such as its line numbers) would keep the old answers and features.
     The same content at another path passes. An out dir without the record (written before it
     existed) is taken as written from this data."""
-    now = data_fingerprint(cfg, data)
+    now = data_fingerprint(resolve_data_path(data or cfg.data.path or "builtin:demo_prompts"))
     record = out / INPUTS
     if record.is_file():
         before = json.loads(record.read_text(encoding="utf-8"))

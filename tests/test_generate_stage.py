@@ -332,3 +332,25 @@ def test_a_rerun_under_other_answer_settings_refuses_to_resume_the_old_answers(t
         check_answer_settings(out, answer_settings(load_config(
             "configs/ci-tiny.yaml", ["generate.max_new_tokens=8", "generate.temperature=0.5",
                                      "target.model=random:builtin:llama3.1-8b-shape"])))
+
+
+def test_a_rerun_over_a_prompt_edited_under_its_id_refuses_to_resume_its_old_answer(tmp_path):
+    """`eagle3-ray generate` on its own (run refuses earlier, tests/test_run_pipeline.py): the parts
+    resume by id, so the input's content is recorded with the settings and an edited prompt stops
+    the rerun before any actor starts, naming what changed."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.data.sources import data_fingerprint
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.extract.generate_stage import ANSWERS_META, answer_settings, check_answer_settings, run_generate
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    out, data = tmp_path / "gen", tmp_path / "prompts.jsonl"
+    out.mkdir()
+    data.write_text(json.dumps({"id": "a", "turns": ["Name a prime."]}) + "\n")
+    first = data_fingerprint(data)["sha256"]
+    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": first})  # as the first run recorded
+    (out / "conversations.part-000.jsonl").write_text(json.dumps({"id": "a", "conversations": []}) + "\n")
+    data.write_text(json.dumps({"id": "a", "turns": ["Name an even prime."]}) + "\n")
+    with pytest.raises(ConfigError, match=rf"input.sha256='{first}' then, '[0-9a-f]{{64}}' now.*delete "):
+        run_generate(cfg, str(data), out)
+    assert json.loads((out / ANSWERS_META).read_text())["input.sha256"] == first

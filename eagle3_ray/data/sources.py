@@ -9,6 +9,7 @@ self-distillation (``eagle3_ray.data.distill``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -82,6 +83,17 @@ def resolve_data_path(path: str) -> Path:
             f"(one of {builtin_names()})"
         )
     return p
+
+
+def data_fingerprint(path: str | Path) -> dict[str, Any]:
+    """An input data file's path, size and sha256 (read in 16 MiB chunks): what a resumed stage
+    compares to know that it is answering or extracting the same records."""
+    path = Path(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return {"data": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
 def read_samples(

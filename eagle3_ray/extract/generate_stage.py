@@ -23,8 +23,9 @@ prompt's copies together, copy 0 first. Training holds a prompt's copies out tog
 input prompts; the join puts them after the input's records, each with its copies.
 
 A rerun resumes the part files (``answers_meta.json`` beside them records what decides an answer's
-text: ``answer_settings``). When those settings changed since the parts were written (another
-target, temperature, answer length, seed, ...) the stage refuses with a ``ConfigError`` instead of
+text: ``answer_settings``, and the input file's sha256). When those settings or the input's content
+changed since the parts were written (another target, temperature, answer length, seed, a prompt
+edited under its id, ...) the stage refuses with a ``ConfigError`` instead of
 mixing old answers into the new run; other changes (batch size, more copies, more requests) resume.
 """
 
@@ -243,7 +244,7 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
-    from eagle3_ray.data.sources import Reject, read_samples, resolve_data_path
+    from eagle3_ray.data.sources import Reject, data_fingerprint, read_samples, resolve_data_path
     from eagle3_ray.extract.pipeline import REJECTS_FILE, append_rejects, write_json_atomic
 
     t0 = time.monotonic()
@@ -268,7 +269,9 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
         raise DataError(f"the input has ids starting {SYNTHETIC_ID!r} ({taken[0]!r}, ...), which "
                         f"generate.synthetic_prompts={n_synthetic} gives the target's own requests; rename those "
                         "records or set generate.synthetic_prompts=0")
-    check_answer_settings(out, answer_settings(cfg))
+    # The input's content too: the parts resume by id, and a record edited under its id would keep
+    # its old answer (`eagle3-ray run` refuses other data for its --out before this stage).
+    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": data_fingerprint(source)["sha256"]})
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out / REJECTS_FILE, rejects)
 
