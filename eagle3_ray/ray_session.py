@@ -20,6 +20,14 @@ _DEFAULT_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
 # _node_ip_address). Unset, Ray guesses the address of the interface that routes outwards, which
 # is not the node's when nodes are started with --node-ip-address (e.g. several on loopback).
 NODE_IP_ENV = "EAGLE3_RAY_NODE_IP"
+# Ray Train's PlacementGroupCleaner (a detached actor of every training run) asks the State API each
+# second whether the run's controller lives. The State API is served by the dashboard, which a local
+# start leaves out, so every check logged "Failed to query Ray Train Controller actor state ...",
+# forwarded to the driver: 665 lines in one `make demo`. The driver's log forwarding skips that one
+# line (Ray's RAY_DEDUP_LOGS_SKIP_REGEX, read when Ray is imported: set here, as the CLI imports
+# this module before Ray). A value of the user's own is kept.
+QUIET_WORKER_LINES = r"Failed to query Ray Train Controller actor state"
+os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", QUIET_WORKER_LINES)
 
 
 def _import_ray_data() -> threading.Thread:
