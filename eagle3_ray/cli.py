@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()  # the package's diagnostics at INFO and above, as plain lines on stderr
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:
+        print(f"eagle3-ray {args.command}: interrupted. Finished stages, committed shards and the latest "
+              "checkpoint are kept: run the same command again to resume", file=sys.stderr)
+        return 130
     except Exception as e:
         user_error = _user_error(e)
         if user_error is None:

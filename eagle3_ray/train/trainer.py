@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -161,6 +162,29 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     return fit(cfg, job, dataset, out, t0, val_datasets=val)
 
 
+def fit_off_main_thread(trainer):
+    """``trainer.fit()`` on a thread of its own; the main thread waits for it and stays free for
+    Ctrl-C. Called from the main thread, Ray Train installs its own SIGINT handler, which waits for
+    the controller to abort the run: tens of seconds while the worker group starts, with no word to
+    the user. Every stage resumes (training from its latest checkpoint), so the CLI stops at once
+    instead and says so (cli.py); the run's actors end with the driver."""
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 (raised again on the main thread, as itself)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=work, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=None, val_datasets=None) -> Path:
     """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
     checkpoint of the same run; returns the final checkpoint directory. `val_datasets`: held-out
@@ -197,7 +221,7 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
         datasets={"train": dataset, **(val_datasets or {})},
         dataset_config=dataset_config or ray.train.DataConfig(datasets_to_split=["train"]),
     )
-    result = trainer.fit()
+    result = fit_off_main_thread(trainer)
     if result.error is not None:
         raise result.error
     ckpt = latest_checkpoint(storage)
