@@ -339,7 +339,7 @@ def test_a_rerun_over_a_prompt_edited_under_its_id_refuses_to_resume_its_old_ans
     resume by id, so the input's content is recorded with the settings and an edited prompt stops
     the rerun before any actor starts, naming what changed."""
     from eagle3_ray.config import load_config
-    from eagle3_ray.data.sources import data_fingerprint
+    from eagle3_ray.data.sources import file_fingerprint
     from eagle3_ray.errors import ConfigError
     from eagle3_ray.extract.generate_stage import ANSWERS_META, answer_settings, check_answer_settings, run_generate
 
@@ -347,7 +347,7 @@ def test_a_rerun_over_a_prompt_edited_under_its_id_refuses_to_resume_its_old_ans
     out, data = tmp_path / "gen", tmp_path / "prompts.jsonl"
     out.mkdir()
     data.write_text(json.dumps({"id": "a", "turns": ["Name a prime."]}) + "\n")
-    first = data_fingerprint(data)["sha256"]
+    first = file_fingerprint(data)["sha256"]
     check_answer_settings(out, {**answer_settings(cfg), "input.sha256": first})  # as the first run recorded
     (out / "conversations.part-000.jsonl").write_text(json.dumps({"id": "a", "conversations": []}) + "\n")
     data.write_text(json.dumps({"id": "a", "turns": ["Name an even prime."]}) + "\n")

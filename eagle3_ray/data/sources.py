@@ -85,7 +85,7 @@ def resolve_data_path(path: str) -> Path:
     return p
 
 
-def data_fingerprint(path: str | Path) -> dict[str, Any]:
+def file_fingerprint(path: str | Path) -> dict[str, Any]:
     """An input data file's path, size and sha256 (read in 16 MiB chunks): what a resumed stage
     compares to know that it is answering or extracting the same records."""
     path = Path(path)

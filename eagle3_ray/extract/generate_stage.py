@@ -244,7 +244,7 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
-    from eagle3_ray.data.sources import Reject, data_fingerprint, read_samples, resolve_data_path
+    from eagle3_ray.data.sources import Reject, file_fingerprint, read_samples, resolve_data_path
     from eagle3_ray.extract.pipeline import REJECTS_FILE, append_rejects, write_json_atomic
 
     t0 = time.monotonic()
@@ -271,7 +271,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
                         "records or set generate.synthetic_prompts=0")
     # The input's content too: the parts resume by id, and a record edited under its id would keep
     # its old answer (`eagle3-ray run` refuses other data for its --out before this stage).
-    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": data_fingerprint(source)["sha256"]})
+    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": file_fingerprint(source)["sha256"]})
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out / REJECTS_FILE, rejects)
 

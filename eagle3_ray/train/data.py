@@ -82,6 +82,10 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
     reserving `num_cpus`, Ray Data's default when None)."""
     rows = pack_rows(packs)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 200)))
+    # No Ray Data progress from the training workers' split coordinator: its bars, forwarded to the
+    # driver, were ~1,800 lines of one `make demo` log (a line per redraw off a terminal); the
+    # trainer's own [train] lines report steps and tokens/s.
+    ds.context.enable_progress_bars = False
     return ds.map_batches(
         LoadPackUDF,
         fn_constructor_kwargs=dict(store_root=store_root, on_corrupt=on_corrupt),
