@@ -9,6 +9,7 @@ Every subcommand takes `-c CONFIG` and trailing `section.field=value` overrides,
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -78,6 +79,10 @@ def _ray(cfg):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ray starts only where the CLI says so (init_ray): a Ray call from a thread that outlives its
+    # stage raises instead of starting a local Ray of its own (read by Ray when it is imported,
+    # which the commands do later; a value of the user's own is kept).
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     args = build_parser().parse_args(argv)
     configure_logging()  # the package's diagnostics at INFO and above, as plain lines on stderr
     try:

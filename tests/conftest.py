@@ -30,6 +30,13 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # workers still set train.cpus_per_worker threads). On 2 cores shared with Ray's processes, two
 # threads per process wait on each other: test_hf_engine.py took 19-30 s with two, 18-20 s with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No Ray API call starts a Ray of its own (Ray reads this when it is imported): a thread that
+# outlives its test (a stage's dataset iteration still waiting for its actors when the test's
+# cluster is shut down) once called Ray after test_multinode.py's teardown, started a local Ray
+# with a dashboard, raced the teardown's ray.shutdown, and 60 s later Ray's core worker ended the
+# whole pytest process ("Failed to connect to GCS within 60 seconds"), exit 1 and no summary, twice
+# under load. Such a call now raises in that thread. Every test starts or joins Ray explicitly.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
 # ---------------------------------------------------------------- no silent skips
