@@ -157,8 +157,7 @@ def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
 
 
 def _locked_run(cfg: PipelineConfig, data: str | None, out: Path, stop_after: str | None, t0: float):
-    out.mkdir(parents=True, exist_ok=True)
-    check_inputs(cfg, data, out)
+    check_inputs(cfg, data, out)  # out_lock made the directory
     save_resolved(cfg, out)
     stages = StageRunner(cfg, out, data, stop_after)
     try:

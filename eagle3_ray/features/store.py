@@ -217,31 +217,28 @@ def manifest(root: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def completed_ids(root: str | Path) -> set[str]:
-    """Sample ids in completed shards (marker present, shard of the recorded size): skip these
-    when resuming. Cheap: reads markers and stats shards, never shard contents."""
-    done: set[str] = set()
+def _completed_markers(root: str | Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(marker path, marker) of every completed shard: marker readable, shard of the recorded size."""
     for m in marker_files(root):
         try:
             marker = shards.read_marker(m)
         except (OSError, ValueError):
             continue
         if shard_intact(m, marker):
-            done.update(marker["sample_ids"])
-    return done
+            yield m, marker
+
+
+def completed_ids(root: str | Path) -> set[str]:
+    """Sample ids in completed shards (marker present, shard of the recorded size): skip these
+    when resuming. Cheap: reads markers and stats shards, never shard contents."""
+    return {sid for _, marker in _completed_markers(root) for sid in marker["sample_ids"]}
 
 
 def committed_tokens(root: str | Path) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """(sample id, input_ids int32 [T], loss_mask uint8 [T]) of every sample in a completed shard,
     read from the shards' token columns only (4 + 1 bytes a token, never the hidden states). A shard
     whose header cannot be read is passed over here (the readers' ``on_corrupt`` policy decides)."""
-    for m in marker_files(root):
-        try:
-            marker = shards.read_marker(m)
-        except (OSError, ValueError):
-            continue
-        if not shard_intact(m, marker):
-            continue
+    for m, marker in _completed_markers(root):
         try:
             offsets, ids, mask = shards.read_token_columns(shard_path(m), with_offsets=True)
         except Exception:  # noqa: BLE001 (safetensors raises its own types for a bad header)
