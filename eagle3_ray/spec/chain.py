@@ -25,7 +25,7 @@ import torch
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
 from eagle3_ray.spec.sampling import Sampling, accept_greedy_chain, probs, verify_chain
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, prefill
+from eagle3_ray.spec.target import TargetRunner, as_root, prefill
 from eagle3_ray.spec.tree import DraftTree, eagle2_tree
 
 
@@ -111,29 +111,37 @@ class Eagle3Proposer:
 
 
 def chain_step(
-    runner: TargetRunner, proposer: Proposer, root: int, draft: Draft, s: Sampling, clock: Stopwatch | None = None
-) -> tuple[list[int], int]:
-    """Verify one chain; returns (new tokens = accepted drafts + the target's token, accepted count)."""
+    runner: TargetRunner, proposer: Proposer, root: int | torch.Tensor, draft: Draft, s: Sampling,
+    clock: Stopwatch | None = None,
+) -> tuple[list[int], int, torch.Tensor]:
+    """Verify one chain under ``root`` (the last committed token; a [1] tensor on the target's device
+    or an int); returns (new tokens = accepted drafts + the target's token, accepted count, the last
+    new token as a [1] device tensor: the next cycle's root)."""
     mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
     drafts = torch.as_tensor(draft.tokens, device=runner.device)  # [K]
-    ids = torch.cat([drafts.new_tensor([root]), drafts])  # [K+1]
+    ids = torch.cat([as_root(root, drafts), drafts])  # [K+1]
     out = runner.forward(ids)  # logits [K+1, V]: row i predicts the token after ids[i]
     mark("verify")
     if s.greedy:  # one host transfer: the drafts and the target's argmax at every position
-        host = torch.cat([drafts, out.logits.argmax(dim=-1)]).tolist()
+        best = out.logits.argmax(dim=-1)  # [K+1]
+        host = torch.cat([drafts, best]).tolist()
         accepted, token = accept_greedy_chain(host[: drafts.shape[0]], host[drafts.shape[0]:])
         draft_ids = host[: drafts.shape[0]]
+        new_ids = torch.cat([drafts[:accepted], best[accepted : accepted + 1]])  # the same, never copied in
     else:
         draft_ids = draft.ids
         accepted, token = verify_chain(out.logits, draft_ids, draft.q, s)
+        new_ids = None
     runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
     new_tokens = draft_ids[:accepted] + [token]
+    if new_ids is None:
+        new_ids = torch.tensor(new_tokens, device=runner.device)
     mark("accept")
     aux = None if out.aux is None else out.aux[: accepted + 1]  # the states that produced new_tokens
-    proposer.extend(torch.tensor(new_tokens, device=runner.device), aux)
+    proposer.extend(new_ids, aux)
     mark("commit")
-    return new_tokens, accepted
+    return new_tokens, accepted, new_ids[-1:]
 
 
 def chain_generate(
@@ -148,12 +156,13 @@ def chain_generate(
     """Prefill, then draft K tokens and verify them until EOS or the length limit."""
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
+    root: int | torch.Tensor = token
     clock.mark("prefill")
     while not done:
         draft = proposer.draft_chain(num_steps, s)
         clock.mark("draft")
-        new_tokens, accepted = chain_step(runner, proposer, token, draft, s, clock)
-        done, token = tally.step(new_tokens, accepted), new_tokens[-1]
+        new_tokens, accepted, root = chain_step(runner, proposer, root, draft, s, clock)
+        done = tally.step(new_tokens, accepted)
         clock.mark("accept")
     seconds = clock.seconds()
     return tally.stats(seconds, clock.parts())

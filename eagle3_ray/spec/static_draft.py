@@ -118,8 +118,15 @@ class StaticProposer:
 
     # -- the Proposer interface ----------------------------------------------------------------
     def begin(self, prompt: torch.Tensor) -> None:
-        self.committed = 0
-        self.hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
+        self.committed = 0  # drafter positions backed by target states, a pending commit included
+        self._hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
+        self._pending: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (ids, aux, past, m) padded
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The output that predicts the next draft token (runs a pending commit on its own)."""
+        self._flush()
+        return self._hidden
 
     @torch.inference_mode()
     def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -134,26 +141,60 @@ class StaticProposer:
             for lo in range(0, m, c):
                 self._extend_padded(ids[lo:lo + c], aux[lo:lo + c], c, f"a prompt chunk of {c}", graph=True)
             return
-        width = max(m, self._pad) if self.committed > 0 else m  # a prompt: its own length, eagerly
-        self._extend_padded(ids, aux, width, f"a commit of {width}", graph=self.committed > 0)
+        if self.committed == 0:  # a prompt: its own length, eagerly
+            self._extend_padded(ids, aux, m, f"a commit of {m}", graph=False)
+            return
+        # A commit after a verify: padded to the mode's widest, and held until the next draft, whose
+        # graph runs it first (one replay a cycle instead of two; module doc).
+        self._flush()
+        width = max(m, self._pad)
+        self._fits(self.committed + width, f"a commit of {width}")
+        self._pending = (*_padded(ids, aux, width), self.committed, m)
+        self.committed += m
 
     def _extend_padded(self, ids: torch.Tensor, aux: torch.Tensor, width: int, what: str, graph: bool) -> None:
         m = ids.shape[0]
-        if width > m:  # repeat the last pair: padding rows come after the real ones (module doc)
-            ids = torch.cat([ids, ids[-1:].expand(width - m)])
-            aux = torch.cat([aux, aux[-1:].expand(width - m, -1)])
-        self.hidden = self._call(("extend", width), self._extend,
-                                 {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
-                                 width, what, graph=graph)
+        ids, aux = _padded(ids, aux, width)
+        self._hidden = self._call(("extend", width), self._extend,
+                                  {"ids": ids, "aux": aux, "past": self.committed, "last": m - 1},
+                                  width, what, graph=graph)
         self.committed += m
+
+    def _flush(self) -> None:
+        """Run a pending commit on its own (a draft that cannot take it into its graph, a read of ``hidden``)."""
+        if self._pending is None:
+            return
+        ids, aux, past, m = self._pending
+        self._pending = None
+        width = ids.shape[0]
+        self._hidden = self._call(("extend", width), self._extend, {"ids": ids, "aux": aux, "past": past, "last": m - 1},
+                                  width, f"a commit of {width}", graph=True, past=past)
+
+    def _draft(self, key: tuple, fn: Callable[..., tuple], width: int, what: str):
+        """``fn(hidden, past) -> outputs`` after the committed pairs, through its graph; a pending commit
+        runs first inside the same graph (key ``("extend", W) + key``)."""
+        if self._pending is None:
+            return self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, width, what, graph=True)
+        ids, aux, past, m = self._pending
+        self._pending = None
+        w = ids.shape[0]
+
+        def fused(ids, aux, past, last):
+            hidden = self._extend(ids, aux, past, last)
+            return *fn(hidden, past + last + 1), hidden
+
+        # Slots: the commit's w from past, then the draft's from past + m <= past + w.
+        *out, self._hidden = self._call(("extend", w, *key), fused, {"ids": ids, "aux": aux, "past": past, "last": m - 1},
+                                        w + width, f"a commit of {w} and {what}", graph=True, past=past)
+        return tuple(out)
 
     @torch.inference_mode()
     def draft_chain(self, k: int, s: Sampling) -> Draft:
         self._pad = k + 1
         what = f"a chain of {k} drafts"
         if s.greedy:
-            fn = lambda hidden, past: self._chain(hidden, past, k)  # noqa: E731
-            ids = self._call(("chain", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what, graph=True)
+            fn = lambda hidden, past: (self._chain(hidden, past, k),)  # noqa: E731
+            (ids,) = self._draft(("chain", k), fn, k, what)
             return Draft(ids, None)  # on the device: the verify reads it without a host sync
         fn = lambda hidden, past: self._chain_sampled(hidden, past, k, s)  # noqa: E731
         ids, qs = self._call(("chain-sampled", k), fn, {"hidden": self.hidden, "past": self.committed}, k, what,
@@ -172,8 +213,7 @@ class StaticProposer:
             return tree.tokens, tree.parents, tree.depth, tree.visible
 
         key = ("tree", topk, depth, total_tokens)
-        return DraftTree(*self._call(key, fn, {"hidden": self.hidden, "past": self.committed}, (depth - 1) * topk,
-                                     f"a tree of depth {depth} and top-{topk}", graph=True))
+        return DraftTree(*self._draft(key, fn, (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}"))
 
     # -- fixed-shape functions: run eagerly or captured ------------------------------------------
     def _extend(self, ids, aux, past, last) -> torch.Tensor:
@@ -253,12 +293,13 @@ class StaticProposer:
 
     # -- graphs -------------------------------------------------------------------------------
     def _call(self, key: tuple, fn: Callable[..., object], args: dict[str, torch.Tensor | int], width: int,
-              what: str, graph: bool):
+              what: str, graph: bool, past: int | None = None):
         """``fn(**args)`` attending over the smallest span holding the ``width`` slots it writes after
-        the committed ones, through the graph of (``key``, span) when graphs are on (captured on
-        first use); int arguments become 0-d long tensors."""
-        self._fits(self.committed + width, what)
-        span = span_for(self.spans, self.committed + width)
+        ``past`` (default: the committed ones), through the graph of (``key``, span) when graphs are
+        on (captured on first use); int arguments become 0-d long tensors."""
+        past = self.committed if past is None else past
+        self._fits(past + width, what)
+        span = span_for(self.spans, past + width)
         entry = None
         if graph and self.cuda_graphs:
             self._steps.setdefault(key, (fn, args, width))
@@ -326,3 +367,11 @@ class StaticProposer:
                 f"{what} needs {slots} drafter cache slots, the static drafter holds max_length={self.max_length}; "
                 "build the StaticTarget with a larger max_length or ask for fewer tokens"
             )
+
+
+def _padded(ids: torch.Tensor, aux: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat the last pair up to ``width`` rows: padding rows come after the real ones (module doc)."""
+    m = ids.shape[0]
+    if width <= m:
+        return ids, aux
+    return torch.cat([ids, ids[-1:].expand(width - m)]), torch.cat([aux, aux[-1:].expand(width - m, -1)])

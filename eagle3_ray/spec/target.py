@@ -116,6 +116,13 @@ def prefill(runner: TargetRunner, proposer: Proposer, prompt: torch.Tensor, s: S
     return first
 
 
+def as_root(root: int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The root as a [1] tensor on ``like``'s device. A host int is copied in, and a copy from pageable
+    host memory waits for the device's queue to drain (the draft in flight): the steps pass the last
+    cycle's device tensor instead, so the verify is queued behind the draft without a wait."""
+    return root.view(1) if isinstance(root, torch.Tensor) else like.new_tensor([root])
+
+
 def prompt_tensor(input_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     """The prompt as a [T] long tensor on ``device``; refuses batches and empty prompts."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)

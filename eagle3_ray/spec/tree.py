@@ -23,7 +23,7 @@ import torch
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
 from eagle3_ray.spec.sampling import Sampling, probs, sample, verify_children
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, prefill
+from eagle3_ray.spec.target import TargetRunner, as_root, prefill
 
 if TYPE_CHECKING:
     from eagle3_ray.spec.chain import Proposer
@@ -220,13 +220,15 @@ def accept_greedy(logits: torch.Tensor, tree: DraftTree, ids: torch.Tensor) -> t
 
 
 def tree_step(
-    runner: TargetRunner, proposer: Proposer, root: int, tree: DraftTree, s: Sampling, clock: Stopwatch | None = None
-) -> tuple[list[int], int]:
-    """Verify one tree; returns (new tokens = accepted drafts + the target's token, accepted count)."""
+    runner: TargetRunner, proposer: Proposer, root: int | torch.Tensor, tree: DraftTree, s: Sampling,
+    clock: Stopwatch | None = None,
+) -> tuple[list[int], int, torch.Tensor]:
+    """Verify one tree under ``root`` (as ``chain_step``'s); returns (new tokens = accepted drafts +
+    the target's token, accepted count, the last new token as a [1] device tensor)."""
     mark = clock.mark if clock is not None else lambda part: None
     past = runner.length  # the root sits here
     depth, visible = tree.layout()  # [N+1], [N+1, N+1]
-    ids = torch.cat([tree.tokens.new_tensor([root]), tree.tokens])  # [N+1]
+    ids = torch.cat([as_root(root, tree.tokens), tree.tokens])  # [N+1]
     mark("draft")  # a tree built without its layout computes it here: drafting's work
     out = runner.forward(ids, positions=past + depth, mask=visible)
     mark("verify")
@@ -238,9 +240,10 @@ def tree_step(
         path, new_tokens = walked
     runner.keep_path(past, path)
     mark("accept")
-    proposer.extend(torch.tensor(new_tokens, device=ids.device), None if out.aux is None else out.aux[path])
+    new_ids = torch.tensor(new_tokens, device=ids.device)  # the device is idle here (the walk's host transfer)
+    proposer.extend(new_ids, None if out.aux is None else out.aux[path])
     mark("commit")
-    return new_tokens, len(path) - 1
+    return new_tokens, len(path) - 1, new_ids[-1:]
 
 
 def tree_generate(
@@ -257,12 +260,13 @@ def tree_generate(
     """Prefill, then draft a tree and verify it until EOS or the length limit."""
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
+    root: int | torch.Tensor = token
     clock.mark("prefill")
     while not done:
         tree = proposer.draft_tree(topk, depth, total_tokens)
         clock.mark("draft")
-        new_tokens, accepted = tree_step(runner, proposer, token, tree, s, clock)
-        done, token = tally.step(new_tokens, accepted), new_tokens[-1]
+        new_tokens, accepted, root = tree_step(runner, proposer, root, tree, s, clock)
+        done = tally.step(new_tokens, accepted)
         clock.mark("accept")
     seconds = clock.seconds()
     return tally.stats(seconds, clock.parts())
