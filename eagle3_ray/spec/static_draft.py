@@ -345,10 +345,7 @@ class StaticProposer:
             saved = self.cache.k[:, :, lo:span].clone(), self.cache.v[:, :, lo:span].clone()
             self.cache.span = span
             try:
-                # The kernels the eager path runs (no cuDNN attention): a replay gives the eager
-                # result (see _graph_backends).
-                with _graph_backends(self.device):
-                    graph, out = capture_graph(fn, buf, self.device)
+                graph, out = capture_graph(fn, buf, self.device)
                 self._graphs[(*key, span)] = (graph, buf, out)
                 if key not in self.captured:
                     self.captured.append(key)
@@ -378,8 +375,3 @@ def _padded(ids: torch.Tensor, aux: torch.Tensor, width: int) -> tuple[torch.Ten
     if width <= m:
         return ids, aux
     return torch.cat([ids, ids[-1:].expand(width - m)]), torch.cat([aux, aux[-1:].expand(width - m, -1)])
-
-
-def _graph_backends(device: torch.device):
-    """The sdpa backends the drafter's graphs are captured with: those of its eager calls."""
-    return sdpa_for_growing_keys(device)
