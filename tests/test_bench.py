@@ -150,6 +150,13 @@ def test_rounding_bound_and_first_difference():
     bug = audit_turn([4, 5, 6], [4, 5, 9], top2, torch.bfloat16)
     assert bug["gap_ulps"] == pytest.approx(8.0) and bug["explained"] is False
     assert audit_turn([4, 5, 6], [4, 7, 6], top2, torch.float32)["explained"] is False  # fp32: far tighter
+    # The row's largest |logit| sets the scale, not the top two's: rounding moves every entry of a row
+    # alike (the H200 turn that diverged at top logits 1.9 / 1.8 in rows reaching |logit| 40).
+    small = [(1.875, 1.7734375, 39.75)]
+    flat = audit_turn([4], [7], small, torch.bfloat16)
+    assert flat["scale"] == 39.75 and flat["ulp"] == 0.25 and flat["explained"] is True
+    assert audit_turn([4], [7], [small[0][:2]], torch.bfloat16)["explained"] is False  # at the top two's scale: 13 ulps
+    assert audit_turn([4], [7], [(1.875, 0.5, 39.75)], torch.bfloat16)["explained"] is False  # 1.375 > 4 * 0.25
 
 
 def test_headline_states_a_slowdown_first():

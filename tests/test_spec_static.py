@@ -61,7 +61,7 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
         ref, _ = target_generate(target, prompt, 20, eos_token_id=[])
         assert target_generate(static, prompt, 20, eos_token_id=[])[0] == ref
         replay, top2 = target_top2(static, prompt, 20, eos_token_id=[])  # the audit's untimed replay
-        assert replay == ref and len(top2) == 20 and all(a >= b for a, b in top2)
+        assert replay == ref and len(top2) == 20 and all(c >= abs(a) and a >= b for a, b, c in top2)
         for mode, params in MODES:
             dyn, dyn_stats = generate(target, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
@@ -366,7 +366,8 @@ def test_top2_teacher_forced_on_the_audited_answer(tiny, use_static):
     with torch.inference_mode():
         logits = target(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1:-1]  # [8, V]: before each
     assert argmax == logits.argmax(-1).tolist() and argmax[:4] == greedy[:4]
-    torch.testing.assert_close(torch.tensor(top2), logits.topk(2, dim=-1).values, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(top2)[:, :2], logits.topk(2, dim=-1).values, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(top2)[:, 2], logits.abs().amax(-1), rtol=1e-4, atol=1e-4)  # the row's scale
     free, free_top2 = target_top2(decoder, prompt, 8, eos_token_id=[])
     assert free == greedy and free_top2[:4] == top2[:4]  # the same forwards up to the forced token
     assert target_top2(decoder, prompt, 8, forced=[]) == ([], [])

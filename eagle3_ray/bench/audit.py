@@ -11,12 +11,20 @@ untimed and teacher-forced on the baseline's answer, so the gap is that of the b
 context even if a free replay would decode otherwise; ``replay_identical`` says whether the
 replay's argmax reproduced the baseline) and calls the divergence explained when
 
-    gap <= TIE_ULPS * ulp(max(|top1|, |top2|))
+    gap <= TIE_ULPS * ulp(max |logit| of that row)
 
 with ``ulp(x)`` the spacing of the target dtype's numbers at |x| (bf16: 2^(floor(log2|x|) - 7)).
-TIE_ULPS = 4 allows each of the two logits to be off by 2 ulps between the two forwards. A
-divergence over the bound is a bug to look for, not rounding. In fp32 the bound is 2^16 times
-tighter than in bf16, so an fp32 divergence is practically always unexplained (as it should be).
+The scale is the row's, not the top two's: two forwards differ by the rounding of the activations
+that every logit is computed from, so the difference is of the same size for every entry of a row,
+small logits included. Measured on the H200 (SmolLM2-135M, bf16,
+``benchmarks/device/divergence_probe.py``): over the 127 positions of one turn, the largest
+|verify - decode| difference of a row had median 0.31 and maximum 0.91, in rows whose largest
+|logit| was about 40 (4 ulps = 1.0). At the position that turn diverged, the top two logits were
+1.9 and 1.8: 4 ulps of those is 0.03, a third of the smallest such difference seen, so a bound taken
+at the top two's own magnitude (this audit's first rule) called a rounding tie a bug.
+TIE_ULPS = 4 allows each of the two logits to be off by 2 ulps of the row's scale. A divergence over
+the bound is a bug to look for, not rounding. In fp32 the bound is 2^16 times tighter than in bf16,
+so an fp32 divergence is practically always unexplained (as it should be).
 """
 
 from __future__ import annotations
@@ -50,8 +58,9 @@ def audit_turn(
 ) -> dict[str, Any] | None:
     """The audit record of one turn (None when ``other`` equals ``reference``).
 
-    ``top2[i]``: the baseline's two largest logits at new token i. ``explained`` is None when the
-    position has no baseline logits (``other`` runs past the reference's end).
+    ``top2[i]``: the baseline's two largest logits at new token i, and the largest |logit| of that
+    row (without it, the larger of the two stands in). ``explained`` is None when the position has
+    no baseline logits (``other`` runs past the reference's end).
     """
     pos = first_difference(reference, other)
     if pos is None:
@@ -60,16 +69,17 @@ def audit_turn(
         "position": pos,
         "baseline_token": reference[pos] if pos < len(reference) else None,
         "token": other[pos] if pos < len(other) else None,
-        "top1": None, "top2": None, "gap": None, "ulp": None, "gap_ulps": None, "explained": None,
+        "top1": None, "top2": None, "scale": None, "gap": None, "ulp": None, "gap_ulps": None, "explained": None,
     }
     if pos < len(top2):
-        top1, second = top2[pos]
-        step = ulp(max(abs(top1), abs(second)), dtype)
+        top1, second, *rest = top2[pos]
+        scale = rest[0] if rest else max(abs(top1), abs(second))
+        step = ulp(scale, dtype)
         gap = top1 - second
-        record.update(top1=top1, top2=second, gap=gap, ulp=step, gap_ulps=gap / step,
+        record.update(top1=top1, top2=second, scale=scale, gap=gap, ulp=step, gap_ulps=gap / step,
                       explained=gap <= TIE_ULPS * step)
     return record
 
 
 def bound_text(dtype: torch.dtype) -> str:
-    return f"top-2 gap <= {TIE_ULPS} ulp of max(|top1|, |top2|) in {str(dtype).removeprefix('torch.')}"
+    return f"top-2 gap <= {TIE_ULPS} ulp of the row's max |logit| in {str(dtype).removeprefix('torch.')}"

@@ -216,7 +216,8 @@ def _parts_section(results: dict[str, Any]) -> str:
                      _num(ms.get("prefill"), "{:.1f}")])
     intro = ("Milliseconds per verify cycle (baseline: per decoded token) by part: draft, the target's verify "
              "forward, acceptance and bookkeeping, the drafter's commit of the accepted states; and the "
-             "prefill per turn. On CUDA measured with CUDA events at the part boundaries.")
+             "prefill per turn. On CUDA measured with CUDA events at the part boundaries. With the graphed static "
+             "drafter a commit runs inside the next draft's graph: its kernels count under draft.")
     table = _table(["mode", "draft", "verify", "accept", "commit", "cycle", "prefill / turn"], rows)
     return f"## Where the time goes\n\n{intro}\n\n{table}"
 

@@ -17,8 +17,10 @@ writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead o
   overwrites before anything reads them.
 
 So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and the commit of each
-width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed (a
-chain cycle is then three graph replays: commit, draft, the target's verify; a tree's graph also
+width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed.
+A commit after a verify is held until the next draft and runs first inside that draft's graph (key
+``("extend", W, *draft key)``), so a chain cycle is two graph replays, the draft with its commit
+and the target's verify (a read of ``hidden`` in between runs the commit alone); a tree's graph also
 selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). A prompt
 runs as padded chunks of ``prompt_width`` through that width's graph, as the target's prefill does (or
 as one eager pass without it: a prompt's length varies). Off CUDA, and for sampled chains (the

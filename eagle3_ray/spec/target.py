@@ -181,9 +181,10 @@ def target_top2(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     forced: Sequence[int] | None = None,
-) -> tuple[list[int], list[tuple[float, float]]]:
+) -> tuple[list[int], list[tuple[float, float, float]]]:
     """Greedy plain decoding as ``target_generate`` runs it (same forwards, same kernels), keeping
-    per new token the two largest logits it was chosen from: (tokens, [(top1, top2)]). Untimed;
+    per new token the two largest logits it was chosen from and the largest logit magnitude of that
+    row: (tokens, [(top1, top2, max |logit|)]). Untimed;
     the divergence audit (``eagle3_ray.bench.audit``) reads the gap at a differing position.
 
     ``forced``: feed these tokens instead of the argmax (teacher forcing, ``len(forced)`` steps,
@@ -196,7 +197,12 @@ def target_top2(
     return tokens, top2
 
 
-def _forced_top2(target, input_ids, forced: list[int]) -> tuple[list[int], list[tuple[float, float]]]:
+def _top2_scale(logits: torch.Tensor) -> torch.Tensor:
+    """[V] logits -> [3]: the two largest and the largest magnitude (the row's scale: ``bench.audit``)."""
+    return torch.cat([logits.topk(2).values, logits.abs().max().view(1)])
+
+
+def _forced_top2(target, input_ids, forced: list[int]) -> tuple[list[int], list[tuple[float, float, float]]]:
     from eagle3_ray.spec.static import StaticTarget  # static.py builds on this module
 
     static = target if isinstance(target, StaticTarget) else None
@@ -208,7 +214,7 @@ def _forced_top2(target, input_ids, forced: list[int]) -> tuple[list[int], list[
     logits = runner.forward(prompt_tensor(input_ids, device)).logits[-1]
     for i in range(len(forced)):
         argmax.append(logits.argmax())
-        top2.append(logits.topk(2).values)
+        top2.append(_top2_scale(logits))
         if i + 1 < len(forced):
             logits = runner.forward(feed[i : i + 1]).logits[-1]  # a [1] device tensor, as plain decoding feeds
     if not forced:
@@ -233,7 +239,7 @@ def _plain_decode(target, input_ids, max_new_tokens, temperature, top_p, seed, e
     clock.mark("prefill")
     while True:
         if keep_top2:
-            top2.append(logits.topk(2).values)  # stays on the device until the end
+            top2.append(_top2_scale(logits))  # stays on the device until the end
         token, next_ids = _next_token(logits, s)
         done = tally.first(token) if not tally.tokens else tally.step([token], accepted=0)
         clock.mark("accept")
