@@ -8,6 +8,7 @@ first MT-bench questions, in variants that differ in one thing each (one process
   eager-draft  the eager Eagle3Proposer (bench.draft_graphs=false): the reference drafter path
 
     python3 benchmarks/device/spec_prompt_check.py --drafter /tmp/bench-drafter/drafter --out $OUT/check.json
+    (--paths graphs --exact-reductions: the bench's path with cuBLAS reducing bf16 GEMMs in fp32)
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+import torch
 
 from eagle3_ray.bench.prompts import load_prompt_sets
 from eagle3_ray.bench.runner import BenchActor
@@ -29,7 +32,15 @@ def main() -> None:
     ap.add_argument("--prompts", default=".gq/mt_bench.jsonl")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="graphs,graphs-nocudnn,chunks-eager,one-pass,eager-draft",
+                    help="which of the paths to measure, in this order")
+    ap.add_argument("--exact-reductions", action="store_true",
+                    help="cuBLAS reductions of bf16/fp16 GEMMs in fp32 (torch's allow_*_reduced_precision_reduction off)")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if args.exact_reductions:  # before anything is built: the graphs capture the GEMMs chosen under it
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     cfg = load_config("configs/smollm2-h200.yaml", [f"target.model={args.target}", "bench.modes=[chain]",
                                                      f"bench.max_new_tokens={args.max_new_tokens}", "bench.untrained=false"])
     sets = load_prompt_sets(args.prompts, args.num_prompts)
@@ -43,6 +54,8 @@ def main() -> None:
     results = {}
 
     def measure(name, b):
+        if name not in paths:
+            return
         t0 = time.perf_counter()
         recs = actor.run_category(prompts, b)["chain"]
         new = sum(r["stats"]["new_tokens"] for r in recs)
@@ -75,7 +88,8 @@ def main() -> None:
     proposer.prompt_width = width
     measure("eager-draft", bench.model_copy(update={"draft_graphs": False}))
     with open(args.out, "w") as f:
-        json.dump({"drafter": args.drafter, "prompts": args.prompts, "num_prompts": len(prompts), **results}, f, indent=1)
+        json.dump({"drafter": args.drafter, "prompts": args.prompts, "num_prompts": len(prompts),
+                   "exact_reductions": args.exact_reductions, **results}, f, indent=1)
 
 
 if __name__ == "__main__":
