@@ -30,11 +30,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--prompts", default=".gq/mt_bench.jsonl")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="further config overrides, e.g. bench.cuda_graphs=false (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = load_config("configs/smollm2-h200.yaml", [
         f"target.model={args.target}", "bench.modes=[chain]", "bench.max_new_tokens=128", "bench.untrained=false",
-        f"target.dtype={args.dtype}"])
+        f"target.dtype={args.dtype}", *args.set])
     prompts = load_prompt_sets(args.prompts, 80)[args.category]
     actor = BenchActor(cfg.target, args.drafter)
     t0 = time.time()
@@ -44,12 +46,13 @@ def main() -> None:
              for r in recs["chain"]]
     new, steps = sum(r["new"] for r in chain), sum(r["steps"] for r in chain)
     result = {"category": args.category, "dtype": args.dtype, "device": str(actor.target.device),
+              "overrides": args.set, "decoding": actor.describe(), "torch": torch.__version__,
               "tau": (new - len(chain)) / steps, "new_tokens": new, "verify_steps": steps,
               "seconds": time.time() - t0, "chain": chain,
               "baseline_new": [r["stats"]["new_tokens"] for r in recs["baseline"]]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(args.category, args.dtype, "tau", round(result["tau"], 3), "verify steps", steps, flush=True)
+    print(args.category, args.dtype, *args.set, "tau", round(result["tau"], 3), "verify steps", steps, flush=True)
 
 
 if __name__ == "__main__":
