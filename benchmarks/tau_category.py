@@ -32,13 +32,17 @@ def main() -> None:
     ap.add_argument("--prompts", default=".gq/mt_bench.jsonl")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="further config overrides, e.g. bench.cuda_graphs=false (repeatable)")
+    ap.add_argument("--max-prompts", type=int, default=None, help="the category's first N prompts only")
+    ap.add_argument("--static", action="store_true",
+                    help="off CUDA too through the StaticTarget/StaticProposer code path (eager there)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = load_config("configs/smollm2-h200.yaml", [
         f"target.model={args.target}", "bench.modes=[chain]", "bench.max_new_tokens=128", "bench.untrained=false",
         f"target.dtype={args.dtype}", *args.set])
-    prompts = load_prompt_sets(args.prompts, 80)[args.category]
+    prompts = load_prompt_sets(args.prompts, 80)[args.category][: args.max_prompts]
     actor = BenchActor(cfg.target, args.drafter)
+    actor.static_off_cuda = args.static
     t0 = time.time()
     recs = actor.run_category(prompts, cfg.bench)
     chain = [{"prompt_id": r["prompt_id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
