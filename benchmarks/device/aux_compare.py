@@ -35,8 +35,9 @@ def main() -> None:
     ap.add_argument("--prompts", default=".gq/mt_bench.jsonl")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--width", type=int, default=4, help="verify width of the second check")
+    ap.add_argument("--dtype", default="auto", help="target.dtype (auto: bf16 on the GPU)")
     args = ap.parse_args()
-    cfg = load_config("configs/smollm2-h200.yaml", [f"target.model={args.target}"])
+    cfg = load_config("configs/smollm2-h200.yaml", [f"target.model={args.target}", f"target.dtype={args.dtype}"])
     actor = BenchActor(cfg.target, args.drafter)
     actor.static_off_cuda = True  # CPU tries of this script
     static = actor._decoding_target(cfg.bench)
