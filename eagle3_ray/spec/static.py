@@ -46,6 +46,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
+from eagle3_ray.engines.hidden_states import HiddenStateSelection
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.spans import attention_spans, span_for
@@ -104,6 +105,7 @@ class StaticTarget:
             raise ConfigError(f"max_length={max_length}; give the longest prompt + max_new_tokens + verify width")
         self.model = model
         self.aux_layers = list(aux_layers)
+        self._select = HiddenStateSelection(model, self.aux_layers)  # what to ask transformers for (its version's way)
         self.max_length = max_length
         weight = model.get_input_embeddings().weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -179,11 +181,11 @@ class StaticTarget:
             position_ids=(past + depth)[None],
             attention_mask=mask,
             use_cache=True,
-            output_hidden_states=self.aux_layers or False,
+            output_hidden_states=self._select.request,
             **{self._cache_kwarg: self._caches[span]},
             **extra,
         )
-        aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
+        aux = torch.cat([h[0] for h in self._select.take(out.hidden_states)], -1) if self.aux_layers else None
         return out.logits[0].float(), aux
 
     @torch.inference_mode()

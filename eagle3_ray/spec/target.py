@@ -19,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from eagle3_ray.drafter.model import sdpa_for_growing_keys
+from eagle3_ray.engines.hidden_states import HiddenStateSelection
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, cache_api
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.sampling import Sampling, make_sampling, pick
@@ -40,6 +41,7 @@ class TargetRunner:
     def __init__(self, model: torch.nn.Module, aux_layers: Sequence[int] = ()):
         self.model = model
         self.aux_layers = list(aux_layers)
+        self._select = HiddenStateSelection(model, self.aux_layers)  # what to ask transformers for (its version's way)
         self.cache = DynamicCache(config=model.config)
         self.device = model.get_input_embeddings().weight.device
         self.cache_kwarg, _ = cache_api(model)
@@ -63,10 +65,10 @@ class TargetRunner:
                 position_ids=positions[None].to(self.device),
                 attention_mask=None if mask is None else self._additive_mask(mask, past),
                 use_cache=True,
-                output_hidden_states=self.aux_layers or False,  # only these states are kept
+                output_hidden_states=self._select.request,  # only these states are kept
                 **{self.cache_kwarg: self.cache},
             )
-        aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1) if self.aux_layers else None
+        aux = torch.cat([h[0] for h in self._select.take(out.hidden_states)], -1) if self.aux_layers else None
         return TargetOut(out.logits[0].float(), aux)
 
     def _additive_mask(self, mask: torch.Tensor, past: int) -> torch.Tensor:
