@@ -23,7 +23,6 @@ import numpy as np
 import ray
 import torch
 
-from eagle3_ray.drafter.ttt import split_rows
 from eagle3_ray.features import open_store
 from eagle3_ray.features.compact import FIELD_BLOCKS, dequantize_fp8_bits, scale_name
 from eagle3_ray.features.record import AUX_HIDDEN, LAST_HIDDEN, bf16_to_uint16, uint16_to_bf16
@@ -128,6 +127,11 @@ def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: i
                      ("seq_ids", np.int64)):
         out[k] = _host_tensor(np.asarray(row[k], dtype=dtype))[None]
     if row_tokens:
+        # Imported here, not at the top: the pack loader actors and Ray Data's coordinators import
+        # this module (LoadPackUDF) and need no drafter; drafter.ttt pulls in transformers (seconds
+        # of CPU per process). The training workers that call this have it imported already.
+        from eagle3_ray.drafter.ttt import split_rows
+
         out = split_rows(out, row_tokens)
     if not fp8:
         return {k: v.to(device=device, dtype=hidden_dtype if k.endswith("_hidden") else v.dtype)
