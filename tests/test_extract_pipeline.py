@@ -308,3 +308,19 @@ def test_extract_a_failed_check_stops_the_started_engine_actors_before_any_write
     assert not (out / "store_meta.json").exists()
     # No thread goes on driving the failed run's dataset (it would call Ray after a caller's shutdown).
     assert not [t for t in threading.enumerate() if t.name == "extract-results" and t.is_alive()]
+
+
+def test_an_engine_actor_started_after_a_failed_check_loads_no_target_and_stops(cfg, tmp_path):
+    """An engine actor whose constructor finds the run's start file already saying stop (the driver's
+    checks failed while its process started) builds no engine; its call raises the driver's reason."""
+    from eagle3_ray.extract.udfs import CaptureWriteUDF
+
+    start = tmp_path / "start.json"
+    start.write_text(json.dumps({"go": False, "reason": "PreflightError: not enough disk"}))
+    udf = CaptureWriteUDF(cfg.target, cfg.extract.batch_tokens, str(tmp_path / "store"), None, start_file=str(start))
+    assert udf.engine is None
+    batch = {"sample_id": np.array(["a"]), "input_ids": [np.array([1, 2, 3])], "loss_mask": [np.array([0, 1, 1])],
+             "source": np.array(["x"])}
+    with pytest.raises(StoreError, match="stopped before it wrote anything: PreflightError: not enough disk"):
+        udf(batch)
+    assert not (tmp_path / "store").exists()

@@ -243,6 +243,17 @@ def _record_capture(run: str, stage: str, samples: int, tokens: int, seconds: fl
     metrics.set_gauge("extract_tokens_per_s", tokens / max(seconds, 1e-9), run, stage)
 
 
+def _stopped_before_start(start_file: str | None) -> bool:
+    """True when the run's start file already says ``{"go": false}`` (CaptureWriteUDF)."""
+    if start_file is None:
+        return False
+    try:
+        with open(start_file, encoding="utf-8") as f:
+            return not json.load(f).get("go")
+    except (OSError, ValueError):  # not written yet (or mid-write: write_json is atomic, so not expected)
+        return False
+
+
 class CaptureWriteUDF:
     """Offline extraction: capture, validate and commit one shard per batch inside the engine actor.
 
@@ -261,17 +272,25 @@ class CaptureWriteUDF:
         # The actor's start-up on the wall clock, for the stage's breakdown: its process started,
         # this constructor entered, the engine modules (torch) imported.
         self.started_at = (_process_start(), time.time())
+        self.root, self.meta, self.start_file = root, None, start_file
+        self._started = threading.Lock()
+        self.run = run
+        if _stopped_before_start(start_file):
+            # The driver's checks failed before this actor got here: its calls only raise the
+            # driver's reason (_await_start), so the target is not loaded for nothing (the driver
+            # waits for those calls to end the stage).
+            self.engine = None
+            self.node, self.actor = _ray_placement()
+            self.hold = None
+            return
         from eagle3_ray.engines.factory import build_engine
 
         self.imported_at = time.time()
-        self.run = run
         t0 = time.monotonic()
         self.engine = build_engine(target, batch_tokens=batch_tokens)
         # Reported with every row, for the stage's start-up breakdown: the build's seconds, and when
         # it ended (wall clock: the driver compares it with its own start, on the same node or an NTP'd one).
         self.engine_s, self.ready_at = time.monotonic() - t0, time.time()
-        self.root, self.meta, self.start_file = root, None, start_file
-        self._started = threading.Lock()
         if meta is not None:
             self._take_meta(meta)
         elif start_file is None:
