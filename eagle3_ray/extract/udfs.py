@@ -275,13 +275,13 @@ class CaptureWriteUDF:
         self.root, self.meta, self.start_file = root, None, start_file
         self._started = threading.Lock()
         self.run = run
+        self.node, self.actor = _ray_placement()
+        self.hold = os.environ.get(HOLD_ENV)
         if _stopped_before_start(start_file):
             # The driver's checks failed before this actor got here: its calls only raise the
             # driver's reason (_await_start), so the target is not loaded for nothing (the driver
             # waits for those calls to end the stage).
             self.engine = None
-            self.node, self.actor = _ray_placement()
-            self.hold = None
             return
         from eagle3_ray.engines.factory import build_engine
 
@@ -295,8 +295,6 @@ class CaptureWriteUDF:
             self._take_meta(meta)
         elif start_file is None:
             raise ValueError("CaptureWriteUDF needs the store's meta or the run's start_file")
-        self.node, self.actor = _ray_placement()
-        self.hold = os.environ.get(HOLD_ENV)
 
     def _take_meta(self, meta: StoreMeta) -> None:
         if self.engine.info.hidden_size != meta.hidden_size:
