@@ -67,7 +67,9 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             assert out == dyn == ref
             assert stats.accept_hist == dyn_stats.accept_hist  # same drafts, same verdicts
-            assert set(stats.parts) == {"prefill", "draft", "verify", "accept", "commit"}
+            # A greedy chain on the static drafter commits inside the next draft's graph, decided on the device.
+            ahead = draft_graphs and mode == "chain"
+            assert set(stats.parts) == {"prefill", "draft", "verify", "accept"} | (set() if ahead else {"commit"})
     assert static.captured == []  # no graphs off CUDA
     assert bool(static._proposers) == draft_graphs  # the static drafter was (not) used
     if draft_graphs:
@@ -127,6 +129,43 @@ def test_static_drafter_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
         ("extend", 4, "tree", 3, 4, 10), ("extend", 5, "chain", 3)})
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-calls", "fake-graphs"])
+def test_a_verdict_counted_on_the_device_commits_as_the_host_would(tiny, graphs, monkeypatch):
+    """draft_after_verify (the greedy chain's commit, decided in the next draft's graph from the
+    verify's argmax) drafts and keeps exactly the state of the eager Eagle3Proposer given the host's
+    commit, for every accepted count 0..K; and the proposer refuses other calls until settle()."""
+    target, drafter = tiny
+    width, k = 3 * target.config.hidden_size, 3
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=3)[0])
+    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=160)
+    if graphs:
+        _use_fake_graphs(monkeypatch)
+        static.cuda_graphs = True
+    with torch.inference_mode():
+        aux = torch.randn(prompt.shape[0], width, generator=g)
+        for p in (eager, static):
+            p.begin(prompt)
+            p.extend(prompt, aux)
+        drafts = static.draft_chain(k, Sampling()).tokens
+        assert drafts.tolist() == eager.draft_chain(k, Sampling()).ids
+        for n in [0, 3, 1, 2, 3, 0, 2]:
+            best = torch.randint(3, target.config.vocab_size, (k + 1,), generator=g)
+            best[:n] = drafts[:n]
+            if n < k:
+                best[n] = (drafts[n] + 1) % target.config.vocab_size  # the first rejected draft
+            aux = torch.randn(k + 1, width, generator=g)
+            drafts = static.draft_after_verify(drafts, best, aux, k).tokens
+            with pytest.raises(RuntimeError, match="settle"):
+                static.draft_chain(k, Sampling())
+            static.settle(n + 1)
+            eager.extend(best[: n + 1], aux[: n + 1])
+            assert drafts.tolist() == eager.draft_chain(k, Sampling()).ids
+            assert static.committed == eager.committed
+            torch.testing.assert_close(static.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
+    assert set(static.captured) == (set() if not graphs else {("chain", 3), ("verified", 4, "chain", 3)})
+
+
 def test_tree_paths_move_in_the_storage(tiny):
     """A tree whose accepted path is not the first nodes: keys move down to consecutive slots."""
     target, drafter = tiny
@@ -174,13 +213,15 @@ def test_the_graphed_functions_have_no_host_sync(tiny):
     proposer = static.proposer(drafter)
     hidden = torch.randn(1, 1, target.config.hidden_size)
     ten, two, fourteen = torch.tensor(10), torch.tensor(2), torch.tensor(14)  # the graphs' input buffers
+    drafts, best = torch.tensor([5, 6, 7]), torch.tensor([5, 6, 9, 8])  # a verify that accepted 2 drafts
     with torch.inference_mode(), NoHostSync():
         out = proposer._extend(torch.arange(w), aux, ten, two)
         chain = proposer._chain(hidden, fourteen, 3)
         tokens, scores, parents = proposer._tree(hidden, fourteen, 3, 4)
         tree = select_nodes(tokens, scores, parents, 10)  # inside the tree's graph too, with its layout
         proposer._chain(out, ten + two + 1, 3)  # a commit and the next draft in one graph: past + last + 1
-    assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == (3,)
+        verified, _ = proposer._verified_chain(drafts, best, aux, ten, 3)  # the greedy verdict counted on the device
+    assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == verified.shape == (3,)
     assert tokens.shape == scores.shape == parents.shape == (3 + 3 * 9,)
     assert tree.tokens.shape == (10,) and tree.visible.shape == (11, 11)
     with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the check itself can fail
@@ -266,7 +307,8 @@ def test_the_graph_plumbing_gives_the_eager_tokens(tiny, monkeypatch):
             assert out == dyn == ref and stats.accept_hist == dyn_stats.accept_hist
     keys = static.proposer(drafter).captured
     # After the prompt a draft alone; after a verify the commit and the next draft in one graph.
-    assert set(keys) == {("chain", 3), ("extend", 4, "chain", 3), ("tree", 3, 4, 10), ("extend", 5, "tree", 3, 4, 10)}
+    # The greedy chain's commit is decided inside that graph, from the verify's argmax ("verified").
+    assert set(keys) == {("chain", 3), ("verified", 4, "chain", 3), ("tree", 3, 4, 10), ("extend", 5, "tree", 3, 4, 10)}
     assert all(g.replays > 0 for g in graphs)
 
 

@@ -20,7 +20,10 @@ So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and t
 width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed.
 A commit after a verify is held until the next draft and runs first inside that draft's graph (key
 ``("extend", W, *draft key)``), so a chain cycle is two graph replays, the draft with its commit
-and the target's verify (a read of ``hidden`` in between runs the commit alone); a tree's graph also
+and the target's verify (a read of ``hidden`` in between runs the commit alone). A greedy chain goes
+further (``draft_after_verify``, key ``("verified", K+1, "chain", K)``): the graph itself counts the
+accepted drafts from the verify's argmax, so the commit and the next draft are queued behind the verify
+before the host reads its verdict, and the host accepts while the device drafts. A tree's graph also
 selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). A prompt
 runs as padded chunks of ``prompt_width`` through that width's graph, as the target's prefill does (or
 as one eager pass without it: a prompt's length varies). Off CUDA, and for sampled chains (the
@@ -123,16 +126,19 @@ class StaticProposer:
         self.committed = 0  # drafter positions backed by target states, a pending commit included
         self._hidden: torch.Tensor | None = None  # [1, 1, H] output that predicts the next draft token
         self._pending: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (ids, aux, past, m) padded
+        self._unsettled: int | None = None  # past of a commit decided on the device, its size not yet read
 
     @property
     def hidden(self) -> torch.Tensor | None:
         """The output that predicts the next draft token (runs a pending commit on its own)."""
+        self._settled()
         self._flush()
         return self._hidden
 
     @torch.inference_mode()
     def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
         assert aux is not None and aux.shape[0] == next_ids.shape[0], "EAGLE-3 needs one aux state per token"
+        self._settled()
         m = next_ids.shape[0]
         ids, aux = next_ids.to(self.device), aux.to(self.device)
         c = self.prompt_width
@@ -192,6 +198,7 @@ class StaticProposer:
 
     @torch.inference_mode()
     def draft_chain(self, k: int, s: Sampling) -> Draft:
+        self._settled()
         self._pad = k + 1
         what = f"a chain of {k} drafts"
         if s.greedy:
@@ -204,7 +211,40 @@ class StaticProposer:
         return Draft(ids, qs)
 
     @torch.inference_mode()
+    def draft_after_verify(self, drafts: torch.Tensor, best: torch.Tensor, aux: torch.Tensor, k: int) -> Draft:
+        """A greedy chain verify's commit and the next chain of ``k`` drafts in one replay, the commit
+        decided on the device, so nothing waits for the host to read the verdict (``spec.chain``'s
+        greedy loop queues it right behind the verify).
+
+        ``drafts`` [K] were verified; ``best`` [K+1] is the target's argmax after the root and after
+        each draft, ``aux`` [K+1, A*Ht] the target's states there. Greedy acceptance keeps the first n
+        drafts that equal ``best`` and then the target's own token, so the committed pairs are rows
+        0..n of (``best``, ``aux``): the graph counts n, pads by repeating row n (as ``extend``) and
+        drafts from the position after it. Call ``settle(n + 1)`` once the host has read n."""
+        self._settled()
+        self._flush()
+        self._pad = w = k + 1
+        past = self.committed
+        fused = lambda drafts, best, aux, past: self._verified_chain(drafts, best, aux, past, k)  # noqa: E731
+        ids, self._hidden = self._call(("verified", w, "chain", k), fused,
+                                       {"drafts": drafts, "best": best, "aux": aux, "past": past}, w + k,
+                                       f"a commit of up to {w} and a chain of {k} drafts", graph=True, past=past)
+        self._unsettled = past
+        return Draft(ids, None)
+
+    def settle(self, m: int) -> None:
+        """The size of the commit ``draft_after_verify`` decided on the device (accepted drafts + 1)."""
+        assert self._unsettled is not None, "settle() follows draft_after_verify()"
+        self.committed, self._unsettled = self._unsettled + m, None
+
+    def _settled(self) -> None:
+        if self._unsettled is not None:
+            raise RuntimeError("the drafter state waits for settle(): call it with the accepted count + 1 "
+                               "after draft_after_verify and before any other proposer call")
+
+    @torch.inference_mode()
     def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
+        self._settled()
         self._pad = depth + 1
         if topk > self.drafter.config.draft_vocab_size:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
@@ -244,6 +284,14 @@ class StaticProposer:
             if i + 1 < k:
                 h = self._step(token, h, past + i)
         return torch.cat(ids)
+
+    def _verified_chain(self, drafts, best, aux, past, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``draft_after_verify``'s graph: the greedy verdict's commit, then a chain of ``k`` drafts after
+        it -> ([k] target ids, [1, 1, H] the commit's last output)."""
+        n = (drafts == best[:-1]).long().cumprod(0).sum()  # [] accepted drafts
+        rows = torch.arange(best.shape[0], device=self.device).clamp(max=n)  # 0..n, then n repeated
+        hidden = self._extend(best.index_select(0, rows), aux.index_select(0, rows), past, n)
+        return self._chain(hidden, past + n + 1, k), hidden
 
     def _chain_sampled(self, hidden, past, k: int, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         d, h, ids, qs = self.drafter, hidden, [], []
