@@ -67,8 +67,8 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
             out, stats = generate(static, drafter, prompt, 20, mode=mode, eos_token_id=[], **params)
             assert out == dyn == ref
             assert stats.accept_hist == dyn_stats.accept_hist  # same drafts, same verdicts
-            # A greedy chain on the static drafter commits inside the next draft's graph, decided on the device.
-            ahead = draft_graphs and mode == "chain"
+            # Greedy on the static drafter: the commit runs inside the next draft's graph, decided on the device.
+            ahead = draft_graphs
             assert set(stats.parts) == {"prefill", "draft", "verify", "accept"} | (set() if ahead else {"commit"})
     assert static.captured == []  # no graphs off CUDA
     assert bool(static._proposers) == draft_graphs  # the static drafter was (not) used
@@ -130,15 +130,16 @@ def test_static_drafter_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager-calls", "fake-graphs"])
-def test_a_verdict_counted_on_the_device_commits_as_the_host_would(tiny, graphs, monkeypatch):
-    """draft_after_verify (the greedy chain's commit, decided in the next draft's graph from the
-    verify's argmax) drafts and keeps exactly the state of the eager Eagle3Proposer given the host's
-    commit, for every accepted count 0..K; and the proposer refuses other calls until settle()."""
+def test_a_verdict_taken_on_the_device_commits_as_the_host_would(tiny, graphs, monkeypatch):
+    """chain_after_verify / tree_after_verify (a greedy verify's commit, its pairs selected inside the
+    next draft's graph from the accepted flags) draft and keep exactly the state of the eager
+    Eagle3Proposer given the host's commit, for accepted paths of every length; and the proposer
+    refuses other calls until settle()."""
     target, drafter = tiny
-    width, k = 3 * target.config.hidden_size, 3
+    width, k, (topk, depth, total) = 3 * target.config.hidden_size, 3, (3, 4, 10)
     g = torch.Generator().manual_seed(9)
     prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=3)[0])
-    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=160)
+    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=200)
     if graphs:
         _use_fake_graphs(monkeypatch)
         static.cuda_graphs = True
@@ -147,27 +148,85 @@ def test_a_verdict_counted_on_the_device_commits_as_the_host_would(tiny, graphs,
         for p in (eager, static):
             p.begin(prompt)
             p.extend(prompt, aux)
-        drafts = static.draft_chain(k, Sampling()).tokens
-        assert drafts.tolist() == eager.draft_chain(k, Sampling()).ids
-        for n in [0, 3, 1, 2, 3, 0, 2]:
-            best = torch.randint(3, target.config.vocab_size, (k + 1,), generator=g)
-            best[:n] = drafts[:n]
-            if n < k:
-                best[n] = (drafts[n] + 1) % target.config.vocab_size  # the first rejected draft
-            aux = torch.randn(k + 1, width, generator=g)
-            drafts = static.draft_after_verify(drafts, best, aux, k).tokens
+        draft = static.draft_chain(k, Sampling())
+        assert draft.ids == eager.draft_chain(k, Sampling()).ids
+        for step, n in enumerate([0, 3, 1, 2, 3, 0, 2, 1]):  # chain: accepted drafts; tree: path depth (capped)
+            if step < 4:
+                path = list(range(n + 1))
+            else:  # a root-to-node path of the last tree, ending at a node of depth up to n
+                parents = draft.parents.tolist()
+                node = max((i for i, _ in enumerate(parents) if draft.depth[i + 1] <= n), default=None)
+                path = [0]
+                while node is not None and node >= 0:
+                    path.insert(1, node + 1)
+                    node = parents[node] if parents[node] >= 0 else None
+            size = k + 1 if step < 4 else draft.tokens.shape[0] + 1
+            best = torch.randint(3, target.config.vocab_size, (size,), generator=g)
+            accepted = torch.zeros(size, dtype=torch.bool)
+            accepted[path] = True
+            aux = torch.randn(size, width, generator=g)
+            if step < 3:
+                draft = static.chain_after_verify(best, accepted, aux, k)
+            else:
+                draft = static.tree_after_verify(best, accepted, aux, topk, depth, total)
             with pytest.raises(RuntimeError, match="settle"):
                 static.draft_chain(k, Sampling())
-            static.settle(n + 1)
-            eager.extend(best[: n + 1], aux[: n + 1])
-            assert drafts.tolist() == eager.draft_chain(k, Sampling()).ids
+            static.settle(len(path))
+            eager.extend(best[path], aux[path])
+            if step < 3:
+                assert draft.ids == eager.draft_chain(k, Sampling()).ids
+            else:
+                ref = eager.draft_tree(topk, depth, total)
+                assert torch.equal(draft.tokens, ref.tokens) and torch.equal(draft.parents, ref.parents)
             assert static.committed == eager.committed
             torch.testing.assert_close(static.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
-    assert set(static.captured) == (set() if not graphs else {("chain", 3), ("verified", 4, "chain", 3)})
+    assert set(static.captured) == (set() if not graphs else {
+        ("chain", 3), ("verified", 4, "chain", 3), ("verified", 4, "tree", 3, 4, 10), ("verified", 11, "tree", 3, 4, 10)})
 
 
-def test_tree_paths_move_in_the_storage(tiny):
-    """A tree whose accepted path is not the first nodes: keys move down to consecutive slots."""
+def test_partial_acceptance_and_moved_paths_as_the_dynamic_cache(tiny_llama_config, monkeypatch):
+    """Greedy decoding on the static drafter (the verdict taken on the device, the next draft queued
+    before the host reads it) accepts exactly what the DynamicCache path with the eager drafter
+    accepts when drafts are accepted in part: a 4-token target whose final norm is zeroed (its argmax
+    is always token 0) and a random drafter that drafts token 0 some of the time. Tree paths that skip
+    nodes move the target's keys on the device; the aux states read from the moved keys feed the drafter."""
+    config = tiny_llama_config.__class__(**{**tiny_llama_config.to_dict(), "vocab_size": 4})
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.model.norm.weight.zero_()  # logits all 0: the target's greedy choice is token 0
+    cfg = DrafterConfig.from_target(config, 4, [2, 4, 5])
+    torch.manual_seed(4)
+    drafter = prepare_drafter(Eagle3Drafter(cfg), target)
+    static = StaticTarget(target, cfg.aux_layers, max_length=256)
+    moved = []  # (host path, the device offsets the loop passed) of every path that skipped nodes
+    keep_path = StaticRunner.keep_path
+
+    def recording(self, past, path, on_device=None):
+        if list(path) != list(range(len(path))):
+            moved.append((list(path), on_device.tolist()))
+        return keep_path(self, past, path, on_device)
+
+    monkeypatch.setattr(StaticRunner, "keep_path", recording)
+    g = torch.Generator().manual_seed(8)
+    hists = {"chain": [0] * 4, "tree": [0] * 5}
+    for _ in range(4):
+        prompt = torch.randint(0, 4, (9,), generator=g).tolist()
+        for mode, params in MODES:
+            dyn, dyn_stats = generate(target, drafter, prompt, 40, mode=mode, eos_token_id=[], **params)
+            out, stats = generate(static, drafter, prompt, 40, mode=mode, eos_token_id=[], **params)
+            assert out == dyn == [0] * 40
+            assert stats.accept_hist == dyn_stats.accept_hist and "commit" not in stats.parts
+            hists[mode] = [a + b for a, b in zip(hists[mode], stats.accept_hist)]
+    # Rejections, partial and full acceptance (here chain [79, 1, 0, 20], tree [0, 1, 52, 0, 0]).
+    assert sum(h > 0 for h in hists["chain"]) >= 3 and sum(h > 0 for h in hists["tree"]) >= 2, hists
+    assert moved and all(host == dev for host, dev in moved)  # paths that skipped nodes, moved by the device's offsets
+
+
+@pytest.mark.parametrize("offsets_on_device", [False, True], ids=["host-path", "device-path"])
+def test_tree_paths_move_in_the_storage(tiny, offsets_on_device):
+    """A tree whose accepted path is not the first nodes: keys move down to consecutive slots (the
+    path's offsets from the host, or on the device as the greedy loop passes them)."""
     target, drafter = tiny
     static = StaticTarget(target, drafter.config.aux_layers, max_length=128)
     prompt = _prompts(1, target.config.vocab_size, seed=3)[0]
@@ -180,7 +239,7 @@ def test_tree_paths_move_in_the_storage(tiny):
     visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
     depth = torch.tensor([0, 1, 2, 1])
     runner.forward(tree_ids, positions=past + depth, mask=visible)
-    runner.keep_path(past, [0, 3])  # root, then node 3
+    runner.keep_path(past, [0, 3], torch.tensor([0, 3]) if offsets_on_device else None)  # root, then node 3
     nxt = runner.forward(torch.tensor([13])).logits[-1]
     ref = target(torch.tensor([prompt + [5, 11, 13]])).logits[0, -1]
     torch.testing.assert_close(nxt, ref, rtol=1e-4, atol=1e-4)
@@ -213,14 +272,14 @@ def test_the_graphed_functions_have_no_host_sync(tiny):
     proposer = static.proposer(drafter)
     hidden = torch.randn(1, 1, target.config.hidden_size)
     ten, two, fourteen = torch.tensor(10), torch.tensor(2), torch.tensor(14)  # the graphs' input buffers
-    drafts, best = torch.tensor([5, 6, 7]), torch.tensor([5, 6, 9, 8])  # a verify that accepted 2 drafts
+    best, accepted = torch.tensor([5, 6, 9, 8]), torch.tensor([True, True, True, False])  # a verdict: 2 drafts kept
     with torch.inference_mode(), NoHostSync():
         out = proposer._extend(torch.arange(w), aux, ten, two)
         chain = proposer._chain(hidden, fourteen, 3)
         tokens, scores, parents = proposer._tree(hidden, fourteen, 3, 4)
         tree = select_nodes(tokens, scores, parents, 10)  # inside the tree's graph too, with its layout
         proposer._chain(out, ten + two + 1, 3)  # a commit and the next draft in one graph: past + last + 1
-        verified, _ = proposer._verified_chain(drafts, best, aux, ten, 3)  # the greedy verdict counted on the device
+        verified, _ = proposer._verified(best, accepted, aux, ten, lambda h, p: (proposer._chain(h, p, 3),), 4)
     assert out.shape == (1, 1, target.config.hidden_size) and chain.shape == verified.shape == (3,)
     assert tokens.shape == scores.shape == parents.shape == (3 + 3 * 9,)
     assert tree.tokens.shape == (10,) and tree.visible.shape == (11, 11)
@@ -307,8 +366,8 @@ def test_the_graph_plumbing_gives_the_eager_tokens(tiny, monkeypatch):
             assert out == dyn == ref and stats.accept_hist == dyn_stats.accept_hist
     keys = static.proposer(drafter).captured
     # After the prompt a draft alone; after a verify the commit and the next draft in one graph.
-    # The greedy chain's commit is decided inside that graph, from the verify's argmax ("verified").
-    assert set(keys) == {("chain", 3), ("verified", 4, "chain", 3), ("tree", 3, 4, 10), ("extend", 5, "tree", 3, 4, 10)}
+    # Greedy: the commit's pairs are selected inside that graph from the verify's verdict ("verified").
+    assert set(keys) == {("chain", 3), ("verified", 4, "chain", 3), ("tree", 3, 4, 10), ("verified", 11, "tree", 3, 4, 10)}
     assert all(g.replays > 0 for g in graphs)
 
 

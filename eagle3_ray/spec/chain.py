@@ -25,7 +25,7 @@ import torch
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
 from eagle3_ray.spec.sampling import Sampling, accept_greedy_chain, probs, verify_chain
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, as_root, prefill
+from eagle3_ray.spec.target import HostRead, TargetRunner, as_root, prefill
 from eagle3_ray.spec.tree import DraftTree, eagle2_tree
 
 
@@ -144,26 +144,6 @@ def chain_step(
     return new_tokens, accepted, new_ids[-1:]
 
 
-class HostRead:
-    """The values of a small device tensor for the host, copied out now (into pinned memory, not
-    waited for): work queued after the copy runs while the host waits for the copy alone."""
-
-    def __init__(self, n: int, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._host = torch.empty(n, dtype=torch.long, pin_memory=self._cuda)
-        self._event = torch.cuda.Event() if self._cuda else None
-
-    def start(self, values: torch.Tensor) -> None:
-        self._host.copy_(values, non_blocking=self._cuda)
-        if self._event is not None:
-            self._event.record()
-
-    def values(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
 def chain_generate(
     runner: TargetRunner,
     proposer: Proposer,
@@ -174,7 +154,7 @@ def chain_generate(
     num_steps: int,
 ) -> SpecStats:
     """Prefill, then draft K tokens and verify them until EOS or the length limit."""
-    if s.greedy and hasattr(proposer, "draft_after_verify"):
+    if s.greedy and hasattr(proposer, "chain_after_verify"):
         return _chain_generate_ahead(runner, proposer, prompt, tally, s, clock, num_steps)
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
@@ -193,13 +173,13 @@ def chain_generate(
 def _chain_generate_ahead(
     runner: TargetRunner, proposer, prompt: torch.Tensor, tally: Tally, s: Sampling, clock: Stopwatch, k: int,
 ) -> SpecStats:
-    """Greedy chain decoding with a proposer that decides the commit on the device
-    (``StaticProposer.draft_after_verify``): the commit and the next draft are queued right behind
-    the verify, before the host has read the verdict, so the GPU drafts while the host reads the
-    argmax, accepts, crops and counts. A cycle on the device: the verify, the argmax and its copy
-    out, the commit and next draft (one graph). The draft queued after the last verify is never
-    used. Parts: ``verify``; ``accept``, the argmax and its copy out plus the device's wait for the
-    host after the draft; ``draft``, the commit and the next draft."""
+    """Greedy chain decoding with a proposer that takes the verdict on the device
+    (``StaticProposer.chain_after_verify``): the commit and the next draft are queued right behind
+    the verify, before the host has read the verdict, so the device drafts while the host reads the
+    argmax, accepts, crops and counts. A cycle on the device: the verify, the argmax, the verdict and
+    its copy out, the commit and next draft (one graph). The draft queued after the last verify is
+    never used. Parts: ``verify``; ``accept``, the verdict and its copy out plus the device's wait for
+    the host after the draft; ``draft``, the commit and the next draft."""
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
     clock.mark("prefill")
@@ -208,22 +188,23 @@ def _chain_generate_ahead(
     draft = proposer.draft_chain(k, s)
     clock.mark("draft")
     root: int | torch.Tensor = token
-    read = HostRead(2 * k + 1, runner.device)
+    read = HostRead(runner.device)
     while not done:
         past = runner.length  # the root sits here
         drafts = draft.tokens  # [K] on the device
         out = runner.forward(torch.cat([as_root(root, drafts), drafts]))  # logits [K+1, V]
         clock.mark("verify")
         best = out.logits.argmax(dim=-1)  # [K+1]: the target's token after the root and each draft
+        accepted = torch.cat([best.new_ones(1), (drafts == best[:-1]).long().cumprod(0)]).bool()  # [K+1]
         read.start(torch.cat([drafts, best]))
         clock.mark("accept")
-        draft = proposer.draft_after_verify(drafts, best, out.aux, k)  # queued behind the copy
+        draft = proposer.chain_after_verify(best, accepted, out.aux, k)  # queued behind the copy
         clock.mark("draft")
         host = read.values()  # waits for the copy, not for the draft
-        accepted, token = accept_greedy_chain(host[:k], host[k:])
-        proposer.settle(accepted + 1)
-        runner.crop(past + 1 + accepted)  # root + accepted drafts; the new token is not in the cache yet
-        done = tally.step(host[:accepted] + [token], accepted)
-        root = best[accepted : accepted + 1]  # the next root, on the device: the next verify needs no copy in
+        n, token = accept_greedy_chain(host[:k], host[k:])
+        proposer.settle(n + 1)
+        runner.crop(past + 1 + n)  # root + accepted drafts; the new token is not in the cache yet
+        done = tally.step(host[:n] + [token], n)
+        root = best[n : n + 1]  # the next root, on the device: the next verify needs no copy in
         clock.mark("accept")
     return tally.stats(clock.seconds(), clock.parts())

@@ -345,8 +345,10 @@ class StaticRunner:
         """Keep the first ``n`` positions; the rest stay in the storage, masked, until overwritten."""
         self._length = min(self._length, n)
 
-    def keep_path(self, past: int, path: Sequence[int]) -> None:
-        """Keep the first ``past`` positions, then the new tokens at offsets ``path`` (a tree's accepted path)."""
+    def keep_path(self, past: int, path: Sequence[int], on_device: torch.Tensor | None = None) -> None:
+        """Keep the first ``past`` positions, then the new tokens at offsets ``path`` (a tree's accepted
+        path). ``on_device``: the same offsets on the device; a copy in from the host would wait for
+        the work queued on the device (a draft in flight) to finish."""
         if list(path) != list(range(len(path))):
-            self.target.move(past + torch.tensor(list(path)), past)
+            self.target.move(past + (torch.tensor(list(path)) if on_device is None else on_device), past)
         self._length = past + len(path)

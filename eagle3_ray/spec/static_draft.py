@@ -20,10 +20,11 @@ So the chain draft of K steps, the EAGLE-2 tree expansion of (topk, depth) and t
 width are fixed-shape functions; on CUDA each is captured once per span as a CUDA graph and replayed.
 A commit after a verify is held until the next draft and runs first inside that draft's graph (key
 ``("extend", W, *draft key)``), so a chain cycle is two graph replays, the draft with its commit
-and the target's verify (a read of ``hidden`` in between runs the commit alone). A greedy chain goes
-further (``draft_after_verify``, key ``("verified", K+1, "chain", K)``): the graph itself counts the
-accepted drafts from the verify's argmax, so the commit and the next draft are queued behind the verify
-before the host reads its verdict, and the host accepts while the device drafts. A tree's graph also
+and the target's verify (a read of ``hidden`` in between runs the commit alone). Greedy decoding goes
+further (``chain_after_verify`` / ``tree_after_verify``, key ``("verified", verify width, *draft key)``): the
+graph takes the verify's argmax and the accepted nodes as device tensors and selects the pairs to commit
+itself, so the commit and the next draft are queued behind the verify before the host reads its
+verdict, and the host accepts while the device drafts. A tree's graph also
 selects its nodes and lays out the verify's positions and mask, ``spec.tree.select_nodes``). A prompt
 runs as padded chunks of ``prompt_width`` through that width's graph, as the target's prefill does (or
 as one eager pass without it: a prompt's length varies). Off CUDA, and for sampled chains (the
@@ -44,7 +45,7 @@ from eagle3_ray.errors import ConfigError
 from eagle3_ray.spec.chain import Draft
 from eagle3_ray.spec.sampling import Sampling, probs
 from eagle3_ray.spec.spans import attention_spans, span_for
-from eagle3_ray.spec.tree import DraftTree, eagle2_depths, select_nodes
+from eagle3_ray.spec.tree import DraftTree, accepted_order, eagle2_depths, select_nodes
 
 log = logging.getLogger(__name__)
 
@@ -211,51 +212,71 @@ class StaticProposer:
         return Draft(ids, qs)
 
     @torch.inference_mode()
-    def draft_after_verify(self, drafts: torch.Tensor, best: torch.Tensor, aux: torch.Tensor, k: int) -> Draft:
-        """A greedy chain verify's commit and the next chain of ``k`` drafts in one replay, the commit
-        decided on the device, so nothing waits for the host to read the verdict (``spec.chain``'s
-        greedy loop queues it right behind the verify).
-
-        ``drafts`` [K] were verified; ``best`` [K+1] is the target's argmax after the root and after
-        each draft, ``aux`` [K+1, A*Ht] the target's states there. Greedy acceptance keeps the first n
-        drafts that equal ``best`` and then the target's own token, so the committed pairs are rows
-        0..n of (``best``, ``aux``): the graph counts n, pads by repeating row n (as ``extend``) and
-        drafts from the position after it. Call ``settle(n + 1)`` once the host has read n."""
-        self._settled()
-        self._flush()
-        self._pad = w = k + 1
-        past = self.committed
-        fused = lambda drafts, best, aux, past: self._verified_chain(drafts, best, aux, past, k)  # noqa: E731
-        ids, self._hidden = self._call(("verified", w, "chain", k), fused,
-                                       {"drafts": drafts, "best": best, "aux": aux, "past": past}, w + k,
-                                       f"a commit of up to {w} and a chain of {k} drafts", graph=True, past=past)
-        self._unsettled = past
+    def chain_after_verify(self, best: torch.Tensor, accepted: torch.Tensor, aux: torch.Tensor, k: int) -> Draft:
+        """A greedy verify's commit and the next chain of ``k`` drafts in one replay (``_verified``)."""
+        fn = lambda hidden, past: (self._chain(hidden, past, k),)  # noqa: E731
+        (ids,) = self._after_verify(("chain", k), fn, best, accepted, aux, k + 1, k, f"a chain of {k} drafts")
         return Draft(ids, None)
 
+    @torch.inference_mode()
+    def tree_after_verify(self, best: torch.Tensor, accepted: torch.Tensor, aux: torch.Tensor, topk: int, depth: int,
+                          total_tokens: int) -> DraftTree:
+        """A greedy verify's commit and the next draft tree in one replay (``_verified``)."""
+        key, fn = self._tree_step(topk, depth, total_tokens)
+        return DraftTree(*self._after_verify(key, fn, best, accepted, aux, depth + 1, (depth - 1) * topk,
+                                             f"a tree of depth {depth} and top-{topk}"))
+
+    def _after_verify(self, key: tuple, fn: Callable[..., tuple], best: torch.Tensor, accepted: torch.Tensor,
+                      aux: torch.Tensor, pad: int, width: int, what: str) -> tuple:
+        """The commit of a greedy verify's accepted nodes, decided on the device, then ``fn`` (the next
+        draft) in the same graph, so nothing waits for the host to read the verdict (``spec.chain`` and
+        ``spec.tree``'s greedy loops queue it right behind the verify).
+
+        ``best`` [N+1]: the target's argmax at the root and at each verified draft; ``accepted`` [N+1]
+        bool: the root and the drafts greedy acceptance keeps, a path (ancestors before descendants);
+        ``aux`` [N+1, A*Ht]: the target's states there. Each accepted node's state is committed with
+        the target's argmax there (the next accepted draft, or the target's own token at the end), padded
+        to ``pad`` pairs by repeating the last. Call ``settle(len(path))`` once the host has read it."""
+        self._settled()
+        self._flush()
+        self._pad = pad
+        past = self.committed
+        fused = lambda best, accepted, aux, past: self._verified(best, accepted, aux, past, fn, pad)  # noqa: E731
+        *out, self._hidden = self._call(("verified", best.shape[0], *key), fused,
+                                        {"best": best, "accepted": accepted, "aux": aux, "past": past}, pad + width,
+                                        f"a commit of up to {pad} and {what}", graph=True, past=past)
+        self._unsettled = past
+        return tuple(out)
+
     def settle(self, m: int) -> None:
-        """The size of the commit ``draft_after_verify`` decided on the device (accepted drafts + 1)."""
-        assert self._unsettled is not None, "settle() follows draft_after_verify()"
+        """The size of the commit ``chain_after_verify`` / ``tree_after_verify`` decided on the device
+        (the root and the accepted drafts)."""
+        assert self._unsettled is not None, "settle() follows chain_after_verify() or tree_after_verify()"
         self.committed, self._unsettled = self._unsettled + m, None
 
     def _settled(self) -> None:
         if self._unsettled is not None:
             raise RuntimeError("the drafter state waits for settle(): call it with the accepted count + 1 "
-                               "after draft_after_verify and before any other proposer call")
+                               "after chain_after_verify / tree_after_verify and before any other proposer call")
 
     @torch.inference_mode()
     def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
         self._settled()
         self._pad = depth + 1
+        key, fn = self._tree_step(topk, depth, total_tokens)
+        return DraftTree(*self._draft(key, fn, (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}"))
+
+    def _tree_step(self, topk: int, depth: int, total_tokens: int) -> tuple[tuple, Callable[..., tuple]]:
         if topk > self.drafter.config.draft_vocab_size:
             raise ConfigError(f"topk={topk} exceeds the drafter's vocabulary "
                               f"({self.drafter.config.draft_vocab_size}); lower it")
+
         def fn(hidden, past):  # the expansion, the selection and the verify's layout: one graph
             tree = select_nodes(*self._tree(hidden, past, topk, depth), total_tokens,
                                 eagle2_depths(topk, depth, self.device))
             return tree.tokens, tree.parents, tree.depth, tree.visible
 
-        key = ("tree", topk, depth, total_tokens)
-        return DraftTree(*self._draft(key, fn, (depth - 1) * topk, f"a tree of depth {depth} and top-{topk}"))
+        return ("tree", topk, depth, total_tokens), fn
 
     # -- fixed-shape functions: run eagerly or captured ------------------------------------------
     def _extend(self, ids, aux, past, last) -> torch.Tensor:
@@ -285,13 +306,13 @@ class StaticProposer:
                 h = self._step(token, h, past + i)
         return torch.cat(ids)
 
-    def _verified_chain(self, drafts, best, aux, past, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``draft_after_verify``'s graph: the greedy verdict's commit, then a chain of ``k`` drafts after
-        it -> ([k] target ids, [1, 1, H] the commit's last output)."""
-        n = (drafts == best[:-1]).long().cumprod(0).sum()  # [] accepted drafts
-        rows = torch.arange(best.shape[0], device=self.device).clamp(max=n)  # 0..n, then n repeated
-        hidden = self._extend(best.index_select(0, rows), aux.index_select(0, rows), past, n)
-        return self._chain(hidden, past + n + 1, k), hidden
+    def _verified(self, best, accepted, aux, past, fn: Callable[..., tuple], pad: int) -> tuple:
+        """``_after_verify``'s graph: the commit of the accepted nodes, then ``fn(hidden, past)`` after it
+        -> (``fn``'s outputs, [1, 1, H] the commit's last output)."""
+        n = accepted.sum()  # [] pairs to commit: the root and the accepted drafts
+        rows = accepted_order(accepted).index_select(0, torch.arange(pad, device=self.device).clamp(max=n - 1))  # then the last repeated
+        hidden = self._extend(best.index_select(0, rows), aux.index_select(0, rows), past, n - 1)
+        return *fn(hidden, past + n), hidden
 
     def _chain_sampled(self, hidden, past, k: int, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         d, h, ids, qs = self.drafter, hidden, [], []

@@ -12,7 +12,7 @@ Definitions (docs/spec.md):
 - parts = wall seconds per part of the generation: ``prefill`` (the prompt's target forward and
   the drafter's priming), then per verify cycle ``draft`` (drafting), ``verify`` (the target
   forward), ``accept`` (the acceptance decision, cache rollback, output bookkeeping) and ``commit``
-  (feeding the accepted target states to the drafter; a greedy chain on the static drafter commits
+  (feeding the accepted target states to the drafter; greedy decoding on the static drafter commits
   inside the next draft's graph and has no ``commit`` part, ``spec.chain._chain_generate_ahead``).
   On CUDA each part is the device time
   between CUDA events recorded at the part boundaries, so no part adds a host sync; they sum to

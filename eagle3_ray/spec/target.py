@@ -108,6 +108,29 @@ class TargetRunner:
         self.keep(torch.cat([torch.arange(past), past + torch.tensor(list(path), dtype=torch.long)]))
 
 
+class HostRead:
+    """The values of a small device tensor for the host, copied out now (into pinned memory, not
+    waited for): work queued after the copy runs while the host waits for the copy alone."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self._event = torch.cuda.Event() if self._cuda else None
+
+    def start(self, values: torch.Tensor) -> None:
+        if self._host is None or self._host.shape != values.shape or self._host.dtype != values.dtype:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self._cuda)
+        self._host.copy_(values, non_blocking=self._cuda)
+        if self._event is not None:
+            self._event.record()
+
+    def values(self) -> list:
+        assert self._host is not None, "start() first"
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def prefill(runner: TargetRunner, proposer: Proposer, prompt: torch.Tensor, s: Sampling) -> int:
     """Run the prompt through the target, pick the first new token, and prime the proposer with the
     (aux state at t, token t+1) pairs of the prompt, exactly the pairs the drafter was trained on."""

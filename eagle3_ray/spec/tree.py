@@ -23,7 +23,7 @@ import torch
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
 from eagle3_ray.spec.sampling import Sampling, probs, sample, verify_children
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, as_root, prefill
+from eagle3_ray.spec.target import HostRead, TargetRunner, as_root, prefill
 
 if TYPE_CHECKING:
     from eagle3_ray.spec.chain import Proposer
@@ -198,25 +198,45 @@ def accept_path(logits: torch.Tensor, tree: DraftTree, s: Sampling) -> tuple[lis
         path.append(match)
 
 
+def greedy_verdict(best: torch.Tensor, tree: DraftTree, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance on the device: ([N+1] bool, the root and each node that it and each of its
+    ancestors is the target's argmax at its parent; [N+1] root-inclusive parents).
+
+    ``best`` [N+1]: the target's argmax at the root and at every node; ``ids`` [N+1]: the root and
+    the tree's tokens, as verified."""
+    _, visible = tree.layout()
+    up = torch.cat([tree.parents.new_zeros(1), tree.parents + 1])  # root-inclusive parent
+    match = (ids == best[up]) | (torch.arange(ids.shape[0], device=ids.device) == 0)  # the root always
+    return ~(visible & ~match[None, :]).any(-1), up
+
+
+def accepted_order(accepted: torch.Tensor) -> torch.Tensor:
+    """[N+1] node indices, the accepted ones first in index order (a path: ancestors first), then the
+    rest; fixed-shape device ops."""
+    i = torch.arange(accepted.shape[0], device=accepted.device)
+    return torch.where(accepted, i, i + accepted.shape[0]).argsort()
+
+
+def _greedy_path(flags: list[int], best: list[int], ids: list[int], parent: list[int]
+                 ) -> tuple[list[int], list[int]] | None:
+    """The host's reading of ``greedy_verdict``: (accepted root-inclusive path, new tokens = its drafts
+    + the target's next token), or None when the accepted nodes are not one path (duplicate siblings)."""
+    path = [i for i, a in enumerate(flags) if a]  # ancestors precede their children: path order
+    if any(parent[b] != a for a, b in zip(path, path[1:])):
+        return None
+    return path, [ids[i] for i in path[1:]] + [best[path[-1]]]
+
+
 def accept_greedy(logits: torch.Tensor, tree: DraftTree, ids: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """``accept_path`` for greedy decoding, on the device: a node is accepted when it and each of its
-    ancestors is the target's argmax at its parent. One host transfer per verify: returns
-    (accepted root-inclusive path, new tokens = its drafts + the target's next token), or None when
-    the accepted nodes do not form one path (duplicate siblings: walk with ``accept_path``).
+    """``accept_path`` for greedy decoding, on the device (``greedy_verdict``). One host transfer per
+    verify: returns (accepted root-inclusive path, new tokens = its drafts + the target's next token),
+    or None when the accepted nodes do not form one path (duplicate siblings: walk with ``accept_path``).
 
     ``ids`` [N+1]: the root and the tree's tokens, as verified.
     """
     best = logits.argmax(dim=-1)  # [N+1]
-    _, visible = tree.layout()
-    up = torch.cat([tree.parents.new_zeros(1), tree.parents + 1])  # root-inclusive parent
-    match = ids == best[up]  # node i is the target's choice after its parent (row 0: the root)
-    match[0] = True
-    accepted = ~(visible & ~match[None, :]).any(-1)  # [N+1]: it and all its ancestors match
-    flags, best_host, ids_host, parent = torch.stack([accepted.long(), best, ids, up]).tolist()
-    path = [i for i, a in enumerate(flags) if a]  # ancestors precede their children: path order
-    if any(parent[b] != a for a, b in zip(path, path[1:])):
-        return None
-    return path, [ids_host[i] for i in path[1:]] + [best_host[path[-1]]]
+    accepted, up = greedy_verdict(best, tree, ids)
+    return _greedy_path(*torch.stack([accepted.long(), best, ids, up]).tolist())
 
 
 def tree_step(
@@ -258,6 +278,8 @@ def tree_generate(
     total_tokens: int,
 ) -> SpecStats:
     """Prefill, then draft a tree and verify it until EOS or the length limit."""
+    if s.greedy and hasattr(proposer, "tree_after_verify"):
+        return _tree_generate_ahead(runner, proposer, prompt, tally, s, clock, topk, depth, total_tokens)
     token = prefill(runner, proposer, prompt, s)
     done = tally.first(token)
     root: int | torch.Tensor = token
@@ -271,3 +293,47 @@ def tree_generate(
     seconds = clock.seconds()
     return tally.stats(seconds, clock.parts())
 
+
+
+def _tree_generate_ahead(
+    runner, proposer, prompt: torch.Tensor, tally: Tally, s: Sampling, clock: Stopwatch, topk: int, depth: int,
+    total_tokens: int,
+) -> SpecStats:
+    """Greedy tree decoding with a proposer that takes the verdict on the device
+    (``StaticProposer.tree_after_verify``; the runner is a ``StaticRunner``), as the chain's
+    (``spec.chain._chain_generate_ahead``): the commit and the next tree are queued right behind the
+    verify and its verdict, and the device drafts while the host reads the path, moves the target's
+    keys onto it and counts."""
+    token = prefill(runner, proposer, prompt, s)
+    done = tally.first(token)
+    clock.mark("prefill")
+    if done:
+        return tally.stats(clock.seconds(), clock.parts())
+    tree = proposer.draft_tree(topk, depth, total_tokens)
+    clock.mark("draft")
+    root: int | torch.Tensor = token
+    read = HostRead(runner.device)
+    while not done:
+        past = runner.length  # the root sits here
+        positions, visible = tree.layout()  # [N+1], [N+1, N+1]
+        ids = torch.cat([as_root(root, tree.tokens), tree.tokens])  # [N+1]
+        out = runner.forward(ids, positions=past + positions, mask=visible)
+        clock.mark("verify")
+        best = out.logits.argmax(dim=-1)  # [N+1]
+        accepted, up = greedy_verdict(best, tree, ids)
+        order = accepted_order(accepted)  # the path's offsets first, on the device: the target's move reads them
+        read.start(torch.stack([accepted.long(), best, ids, up]))
+        clock.mark("accept")
+        tree = proposer.tree_after_verify(best, accepted, out.aux, topk, depth, total_tokens)  # behind the copy
+        clock.mark("draft")
+        walked = _greedy_path(*read.values())  # waits for the copy, not for the draft
+        if walked is None:
+            raise RuntimeError("the accepted nodes of a draft tree are not one path (duplicate siblings); "
+                               "the static drafter's EAGLE-2 trees have distinct siblings")
+        path, new_tokens = walked
+        proposer.settle(len(path))
+        runner.keep_path(past, path, order[: len(path)])
+        done = tally.step(new_tokens, len(path) - 1)
+        root = best[path[-1] : path[-1] + 1]  # the next root, on the device
+        clock.mark("accept")
+    return tally.stats(clock.seconds(), clock.parts())
