@@ -310,7 +310,8 @@ class StaticProposer:
         """``_after_verify``'s graph: the commit of the accepted nodes, then ``fn(hidden, past)`` after it
         -> (``fn``'s outputs, [1, 1, H] the commit's last output)."""
         n = accepted.sum()  # [] pairs to commit: the root and the accepted drafts
-        rows = accepted_order(accepted).index_select(0, torch.arange(pad, device=self.device).clamp(max=n - 1))  # then the last repeated
+        padded = torch.arange(pad, device=self.device).clamp(max=n - 1)  # 0..n-1, then n-1 repeated
+        rows = accepted_order(accepted).index_select(0, padded)  # the accepted nodes in path order, padded
         hidden = self._extend(best.index_select(0, rows), aux.index_select(0, rows), past, n - 1)
         return *fn(hidden, past + n), hidden
 

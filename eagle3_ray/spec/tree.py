@@ -294,7 +294,6 @@ def tree_generate(
     return tally.stats(seconds, clock.parts())
 
 
-
 def _tree_generate_ahead(
     runner, proposer, prompt: torch.Tensor, tally: Tally, s: Sampling, clock: Stopwatch, topk: int, depth: int,
     total_tokens: int,
