@@ -39,9 +39,10 @@ def test_ctrl_c_during_a_ray_train_fit_interrupts_the_main_thread_at_once(ray_lo
         scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(name="interrupt", storage_path=str(tmp_path / "storage")),
     )
-    # A fresh `eagle3-ray` process has Python's default handler; a handler left by earlier code in this
-    # pytest process would decide what a SIGINT does here (a full-suite run once saw DID NOT RAISE), so
-    # the test sets the default for its duration and names what it found.
+    # A fresh `eagle3-ray` started from a terminal has Python's default handler. A process started in the
+    # background by a shell without job control inherits SIGINT ignored (SIG_IGN), and Python keeps it:
+    # a suite launched that way failed here with DID NOT RAISE. The test sets the default for its
+    # duration and names what it found.
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.default_int_handler:
         warnings.warn(f"the SIGINT handler at the start of this test was {previous!r}; set to Python's default")
