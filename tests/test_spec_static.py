@@ -76,6 +76,23 @@ def test_same_tokens_and_acceptance_as_the_dynamic_cache(tiny, draft_graphs):
         assert static.proposer(drafter).captured == []
 
 
+def _primed_proposers(drafter, prompt: torch.Tensor, g: torch.Generator, max_length: int, graphs: bool,
+                      monkeypatch) -> tuple[Eagle3Proposer, StaticProposer]:
+    """The eager and the static proposer of ``drafter``, both given ``prompt`` with the same random aux
+    states; the static one through the graph path (FakeGraph standing in for CUDA) when ``graphs``."""
+    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=max_length)
+    if graphs:
+        _use_fake_graphs(monkeypatch)
+        static.cuda_graphs = True
+    with torch.inference_mode():
+        aux = torch.randn(prompt.shape[0], drafter.config.target_hidden_size * len(drafter.config.aux_layers),
+                          generator=g)
+        for p in (eager, static):
+            p.begin(prompt)
+            p.extend(prompt, aux)
+    return eager, static
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager-calls", "fake-graphs"])
 def test_static_drafter_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
     """Proposer level, fp32: after the prompt and after commits of every width (partial and full
@@ -86,15 +103,8 @@ def test_static_drafter_drafts_as_the_eager_one(tiny, graphs, monkeypatch):
     width = 3 * target.config.hidden_size
     g = torch.Generator().manual_seed(5)
     prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=7)[0])
-    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=160)
-    if graphs:
-        _use_fake_graphs(monkeypatch)
-        static.cuda_graphs = True
+    eager, static = _primed_proposers(drafter, prompt, g, 160, graphs, monkeypatch)
     with torch.inference_mode():
-        aux = torch.randn(prompt.shape[0], width, generator=g)
-        for p in (eager, static):
-            p.begin(prompt)
-            p.extend(prompt, aux)
         commits = [1, 4, 2, 5, 3, 1, 4, 2, 5, 1]  # chain: up to K+1 = 4; tree: up to depth+1 = 5
         for step, m in enumerate(commits):
             if step % 3 == 0:
@@ -139,15 +149,8 @@ def test_a_verdict_taken_on_the_device_commits_as_the_host_would(tiny, graphs, m
     width, k, (topk, depth, total) = 3 * target.config.hidden_size, 3, (3, 4, 10)
     g = torch.Generator().manual_seed(9)
     prompt = torch.tensor(_prompts(1, target.config.vocab_size, seed=3)[0])
-    eager, static = Eagle3Proposer(drafter), StaticProposer(drafter, max_length=200)
-    if graphs:
-        _use_fake_graphs(monkeypatch)
-        static.cuda_graphs = True
+    eager, static = _primed_proposers(drafter, prompt, g, 200, graphs, monkeypatch)
     with torch.inference_mode():
-        aux = torch.randn(prompt.shape[0], width, generator=g)
-        for p in (eager, static):
-            p.begin(prompt)
-            p.extend(prompt, aux)
         draft = static.draft_chain(k, Sampling())
         assert draft.ids == eager.draft_chain(k, Sampling()).ids
         for step, n in enumerate([0, 3, 1, 2, 3, 0, 2, 1]):  # chain: accepted drafts; tree: path depth (capped)
