@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="after the timed steps, N more with the device synchronised between forward, "
                          "backward and optimizer step: the mean seconds of each")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, the N device kernels taking the most time over one step "
+                         "(torch.profiler), with their share of the step's kernel time")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
@@ -211,6 +214,25 @@ def breakdown(step, batch: dict, n: int, sync) -> dict[str, float]:
     return total
 
 
+def top_kernels(fn, n: int, sync) -> list[dict] | None:
+    """The ``n`` device kernels with the most total time over one ``fn()`` (torch.profiler), each
+    with its milliseconds, calls and share of all kernel time in that step. None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    total = sum(e.device_time_total for e in rows) or 1.0
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [{"name": e.key, "ms": e.device_time_total / 1e3, "calls": e.count, "share": e.device_time_total / total}
+            for e in rows[:n]] + [{"name": "(all kernels)", "ms": total / 1e3, "calls": sum(e.count for e in rows),
+                                   "share": 1.0}]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     from eagle3_ray.train.step import StepConfig, TrainStep
@@ -255,6 +277,7 @@ def main(argv=None) -> int:
         sync()
         seconds = (time.perf_counter() - t0) / a.steps
         parts = breakdown(step, batch, a.breakdown, sync) if a.breakdown else None
+        kernels = top_kernels(lambda: step(batch), a.profile, sync) if a.profile else None
         r = {
             "step_seconds": seconds,
             "tokens_per_s": seq / seconds,
@@ -264,12 +287,15 @@ def main(argv=None) -> int:
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "host_syncs_per_step": syncs,
             "breakdown_seconds": parts,
+            "top_kernels": kernels,
         }
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
         print(f"[{a.engine} {attention}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
               + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
+        for k in kernels or []:
+            print(f"  {k['share']:6.1%} {k['ms']:8.2f} ms x{k['calls']:<4} {k['name'][:110]}", flush=True)
         return r
 
     modes: dict[str, dict] = {}

@@ -17,6 +17,9 @@
 #      DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and Kimi ZeRO-2,
 #      with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
 #
+# BARE_EXTRA adds train_step.py arguments to the two bare phases, e.g. "--attention sdpa,flex --profile 25"
+# (both attentions timed, the best one reported; the top device kernels of a step); BARE_CAP (default 60 s)
+# is each bare phase's timeout (flex compiles its kernels first).
 # PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call (they
 # run in the order above), e.g. a second call (another OUT):
 #     PHASES="loop ds_8b_zero1 ds_kimi_zero2" LOOP_RUNS=kimi:1,8b:2 OUT=... bash benchmarks/device/train_mfu.sh
@@ -129,16 +132,16 @@ else
   BARE_8B=(--preset llama3-8b --steps 10 --warmup 3)
   BARE_KIMI=(--preset kimi-k2.5 --steps 8 --warmup 3)
   LOOP=(--runs "$LOOP_RUNS" --steps 30 --warmup-steps 10 --log-every 5 --samples 4 --min-run-s 75)
-  BARE_CAP=60; LOOP_CAP=400; DS_CAP=60
+  BARE_CAP=${BARE_CAP:-60}; LOOP_CAP=400; DS_CAP=60
 fi
 
 say "device $DEVICE, budget ${BUDGET_S}s, peak ${PEAK_TFLOPS} TFLOP/s; work dir $WORK"
 [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >> "$LOG" 2>&1
 
 phase bare_8b 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --peak-tflops "$PEAK_TFLOPS" \
-  --sync-check --breakdown 3 --json "$WORK/bare_8b.json"
+  --sync-check --breakdown 3 ${BARE_EXTRA:-} --json "$WORK/bare_8b.json"
 phase bare_kimi 30 "$BARE_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --peak-tflops "$PEAK_TFLOPS" \
-  --sync-check --breakdown 3 --json "$WORK/bare_kimi.json"
+  --sync-check --breakdown 3 ${BARE_EXTRA:-} --json "$WORK/bare_kimi.json"
 # The loop's budget is the script's; DeepSpeed's engine without Ray gets what is left after it.
 L=$(left)
 phase loop 60 "$LOOP_CAP" "$PY" benchmarks/train_loop.py "${LOOP[@]}" --peak-tflops "$PEAK_TFLOPS" \
