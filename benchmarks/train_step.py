@@ -2,8 +2,8 @@
 
     # Llama-3.1-8B-shaped drafter on one H200 (peak = the measured bf16 matmul figure)
     python benchmarks/train_step.py --device cuda --dtype bfloat16 --peak-tflops 785
-    # both attention implementations in one run, after checking they agree (loss and gradients)
-    python benchmarks/train_step.py --peak-tflops 785 --attention sdpa,flex --check
+    # the attention implementations in one run, after checking they agree with sdpa (loss and gradients)
+    python benchmarks/train_step.py --peak-tflops 785 --attention sdpa,varlen,flex --check
     # the same step through DeepSpeed's engine (bf16, fp32 master weights, ZeRO stage 2), no Ray
     python benchmarks/train_step.py --preset kimi-k2.5 --engine deepspeed --zero-stage 2 --peak-tflops 785
     # small and quick on a CPU
@@ -50,8 +50,9 @@ def step_flops(a, seq: int) -> float:
     return train + target
 
 
-def _check_flex(drafter, lm_head, a, dev, dtype) -> dict:
-    """sdpa vs flex on one packed row of 3 samples + padding: loss and every gradient must agree."""
+def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[str]) -> dict:
+    """Each of ``modes`` against sdpa on one packed row of 3 samples + padding: loss and every
+    gradient must agree (relative differences of the gradients' norms)."""
     from eagle3_ray.drafter.ttt import ttt_forward
 
     g = torch.Generator().manual_seed(1)
@@ -68,16 +69,20 @@ def _check_flex(drafter, lm_head, a, dev, dtype) -> dict:
     }
     batch = {k: v.to(dev) for k, v in batch.items()}
     res = {}
-    for attention in ("sdpa", "flex"):
+    for attention in ["sdpa", *[m for m in modes if m != "sdpa"]]:
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention)
         out.loss.backward()
         res[attention] = (out.loss.item(), {n: p.grad.float().clone() for n, p in drafter.named_parameters()
                                             if p.grad is not None})
     drafter.zero_grad(set_to_none=True)
-    rel = {n: ((res["flex"][1][n] - g0).norm() / g0.norm().clamp(min=1e-12)).item() for n, g0 in res["sdpa"][1].items()}
-    return {"loss_sdpa": res["sdpa"][0], "loss_flex": res["flex"][0], "grad_rel_diff_max": max(rel.values()),
-            "grad_rel_diff": rel}
+    check = {"loss_sdpa": res["sdpa"][0]}
+    for m in res:
+        if m == "sdpa":
+            continue
+        rel = {n: ((res[m][1][n] - g0).norm() / g0.norm().clamp(min=1e-12)).item() for n, g0 in res["sdpa"][1].items()}
+        check.update({f"loss_{m}": res[m][0], f"grad_rel_diff_max_{m}": max(rel.values()), f"grad_rel_diff_{m}": rel})
+    return check
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,9 +101,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--zero-stage", type=int, default=1, help="--engine deepspeed: ZeRO stage")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (e.g. 785 on H200)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layer and head")
-    ap.add_argument("--attention", default="sdpa", help="comma-separated: sdpa, flex (each timed in this run)")
+    ap.add_argument("--attention", default="auto",
+                    help="comma-separated: auto (the training loop's choice: varlen on CUDA, sdpa elsewhere), "
+                         "sdpa, varlen, flex (each timed in this run)")
     ap.add_argument("--check", action="store_true",
-                    help="first compare loss and gradients of sdpa and flex on a packed batch of 3 samples")
+                    help="first compare loss and gradients of every --attention mode with sdpa's on a packed "
+                         "batch of 3 samples")
     ap.add_argument("--sync-check", action="store_true",
                     help="count the host synchronisations of one step (CUDA only: torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
@@ -235,7 +243,7 @@ def top_kernels(fn, n: int, sync) -> list[dict] | None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from eagle3_ray.train.step import StepConfig, TrainStep
+    from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention
 
     dev = torch.device(a.device)
     # DeepSpeed keeps fp32 master weights and casts the module to bf16 itself (train/loop.py builds
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
         drafter.norm = torch.compile(drafter.norm, dynamic=True)
     engine = make_engine(a, drafter, dev)
     seq = a.seq
-    batch = {
+    packed = {
         "input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
         "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
         "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
@@ -262,11 +270,18 @@ def main(argv=None) -> int:
     flops = step_flops(a, seq)
     check = None
     if a.check:
-        check = _check_flex(engine.module, lm_head, a, dev, hidden_dtype)
-        print(f"check sdpa vs flex: {json.dumps(check)}", flush=True)
+        check = _check_modes(engine.module, lm_head, a, dev, hidden_dtype,
+                             [resolve_attention(m, dev.type) for m in a.attention.split(",")])
+        print(f"check against sdpa: {json.dumps({k: v for k, v in check.items() if not isinstance(v, dict)})}",
+              flush=True)
 
     def time_mode(attention: str) -> dict:
         step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention))
+        batch = dict(packed)
+        if attention == "varlen":  # found on the host ahead of the step, as the loop's prefetch thread does
+            from eagle3_ray.drafter.ttt_attention import Segments
+
+            batch["segments"] = Segments.of(packed["seq_ids"].cpu(), dev)
         for _ in range(a.warmup):
             step(batch)
         sync()
@@ -299,7 +314,7 @@ def main(argv=None) -> int:
         return r
 
     modes: dict[str, dict] = {}
-    for m in a.attention.split(","):
+    for m in dict.fromkeys(resolve_attention(m, dev.type) for m in a.attention.split(",")):
         modes[m] = time_mode(m)
         _write(a.json, _result(a, dev, flops, modes, check))  # partial results survive a timeout
     print(json.dumps(_result(a, dev, flops, modes, check), indent=2))

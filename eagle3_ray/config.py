@@ -163,9 +163,12 @@ class TrainConfig(_Section):
         "epochs read the store."
     )
     ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll length.")
-    attention: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="TTT attention: flex (block-sparse flex_attention, compiled; CUDA only) or "
-        "sdpa (dense mask, any device); auto = sdpa until flex's speed is measured. Same function."
+    attention: Literal["auto", "sdpa", "varlen", "flex"] = Field(
+        "auto", description="TTT attention, the same function four ways: varlen (each sample's causal prefix "
+        "through flash attention's varlen kernel, the TTT diagonal computed apart; CUDA, or a slow reference "
+        "elsewhere), sdpa (dense mask over the whole TTT cache, any device), flex (block-sparse "
+        "flex_attention, compiled; CUDA only; 5x slower than sdpa on an H200). auto = varlen on CUDA, sdpa "
+        "elsewhere."
     )
     compile: bool = Field(False, description="torch.compile the drafter layer (GPU training; ~1 min warm-up).")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")

@@ -333,6 +333,7 @@ def test_attention_setting_resolves_per_device():
     from eagle3_ray.train.loop import resolve_attention
 
     assert resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("auto", "cuda") == "varlen"
     assert resolve_attention("flex", "cuda") == "flex"
     with pytest.raises(ConfigError, match="train.attention=flex needs CUDA"):
         resolve_attention("flex", "cpu")

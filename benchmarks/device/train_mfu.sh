@@ -17,9 +17,9 @@
 #      DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and Kimi ZeRO-2,
 #      with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
 #
-# BARE_EXTRA adds train_step.py arguments to the two bare phases, e.g. "--attention sdpa,flex --profile 25"
-# (both attentions timed, the best one reported; the top device kernels of a step); BARE_CAP (default 60 s)
-# is each bare phase's timeout (flex compiles its kernels first).
+# BARE_EXTRA adds train_step.py arguments to the two bare phases, e.g. "--attention varlen,sdpa --profile 25"
+# (both attentions timed, the best one reported; the top device kernels of a step), DS_EXTRA to the two
+# DeepSpeed phases; BARE_CAP (default 60 s) is each bare phase's timeout (flex compiles its kernels first).
 # PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call (they
 # run in the order above), e.g. a second call (another OUT):
 #     PHASES="loop ds_8b_zero1 ds_kimi_zero2" LOOP_RUNS=kimi:1,8b:2 OUT=... bash benchmarks/device/train_mfu.sh
@@ -147,9 +147,9 @@ L=$(left)
 phase loop 60 "$LOOP_CAP" "$PY" benchmarks/train_loop.py "${LOOP[@]}" --peak-tflops "$PEAK_TFLOPS" \
   --budget-s $(( L - 10 > 60 ? L - 10 : 60 )) --run-cap-s 130 --json "$WORK/loop.json"
 phase ds_8b_zero1 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_8B[@]}" --engine deepspeed --zero-stage 1 \
-  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 --json "$WORK/ds_8b_zero1.json"
+  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 ${DS_EXTRA:-} --json "$WORK/ds_8b_zero1.json"
 phase ds_kimi_zero2 40 "$DS_CAP" "$PY" benchmarks/train_step.py "${BARE_KIMI[@]}" --engine deepspeed --zero-stage 2 \
-  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 --json "$WORK/ds_kimi_zero2.json"
+  --peak-tflops "$PEAK_TFLOPS" --sync-check --breakdown 3 ${DS_EXTRA:-} --json "$WORK/ds_kimi_zero2.json"
 
 summarize
 say "done; summary in $OUT/train_mfu.json"

@@ -31,6 +31,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eagle3_ray.drafter.ttt_attention import TTTCache, ttt_attention
 from eagle3_ray.errors import CheckpointError, ConfigError
 
 # train.drafter.* fields a user may override; everything else is sized from the target.
@@ -225,7 +226,7 @@ class DrafterAttention(nn.Module):
         x: torch.Tensor,  # [B, T, 2H]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        mask: torch.Tensor | Any | None,  # [B, 1, T, S] bool (True = attend), or a flex BlockMask
+        mask: torch.Tensor | Any | None,  # [B, 1, T, S] bool (True = attend), a flex BlockMask, or Segments
         cache: DrafterKVCache | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -233,6 +234,10 @@ class DrafterAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if isinstance(cache, TTTCache):  # the TTT unroll, `mask` its Segments
+            cache.append(k, v)
+            out = ttt_attention(q, cache, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         past = 0
         if cache is not None:
             past = cache.length

@@ -8,7 +8,11 @@ position ``position_ids + i``, the position SGLang gives the i-th draft token.
 
 Packed batches: ``seq_ids`` says which sample each token belongs to (-1 = padding); attention and
 targets never cross samples. Attention of step i runs over the drafter's own KV cache (step j's keys
-in block j) with one of two equivalent implementations:
+in block j) with one of three equivalent implementations:
+
+- ``"varlen"`` (``drafter/ttt_attention.py``; the training default on CUDA): each sample's causal
+  prefix through flash attention's varlen kernel, the diagonal of later steps computed apart, the
+  two merged by their log-sum-exps: about the cost of causal attention per sample per step.
 
 - ``"sdpa"``: the cache grows by T per step and a dense bool mask (``ttt_attention_mask``) selects
   the causal prefix of step 0 plus the diagonal of later steps; O(T * i * T) mask memory and work.
@@ -28,6 +32,7 @@ from typing import Literal
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+from eagle3_ray.drafter.ttt_attention import Segments, TTTCache
 
 FLEX_BLOCK = 128  # flex_attention's default block size; T is padded to a multiple of it
 
@@ -266,10 +271,24 @@ def _logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     inputs the TF32 matmul gives the fp32 result at tensor-core speed.
     """
     half = (torch.bfloat16, torch.float16)
+    if h.is_cuda and h.dtype in half and w.dtype == h.dtype and _mm_out_fp32(h.device):
+        # Better still: the half inputs' products accumulated in fp32, written as fp32 (torch.mm's
+        # out_dtype), at the half-precision tensor-core rate (twice TF32's) and with no fp32 copies.
+        return torch.mm(h.reshape(-1, h.shape[-1]), w.T, out_dtype=torch.float32).view(*h.shape[:-1], -1)
     if h.is_cuda and h.dtype in half and w.dtype in half:
         with _tf32_matmul():
             return h.float() @ w.float().T
     return h.float() @ w.float().T
+
+
+@functools.cache
+def _mm_out_fp32(device: torch.device) -> bool:
+    """Whether this torch has ``torch.mm(..., out_dtype=torch.float32)`` for bf16 inputs on ``device``."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 @contextlib.contextmanager
@@ -288,7 +307,7 @@ def ttt_forward(
     target_lm_head_weight: torch.Tensor,
     ttt_steps: int = 7,
     loss_decay: float = 0.8,
-    attention: Literal["sdpa", "flex"] = "sdpa",
+    attention: Literal["sdpa", "flex", "varlen"] = "sdpa",
     pad_to: int | None = None,
     row_tokens: int | None = None,
 ) -> TTTOutput:
@@ -305,11 +324,12 @@ def ttt_forward(
     per shape and falls back to an unfused kernel, which materialises the scores, after 8 shapes).
     ``row_tokens`` (sdpa): split a packed [1, N] batch into rows of whole samples of about this
     many tokens (``split_rows``): the same loss at a fraction of the dense attention's cost.
+    ``batch["segments"]`` (varlen, optional): the `Segments` of ``seq_ids``, built ahead.
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
     if attention == "flex":
         batch = _pad_batch(batch, FLEX_BLOCK, pad_to)
-    elif row_tokens:
+    elif row_tokens and attention == "sdpa":
         batch = split_rows(batch, row_tokens)
     ids, seq, pos = batch["input_ids"], batch["seq_ids"], batch["position_ids"]
     loss_mask = batch["loss_mask"].bool()
@@ -317,13 +337,20 @@ def ttt_forward(
     target_ids = target_p.argmax(dim=-1)  # [B, T] draft ids
 
     hidden = drafter.fuse(batch["aux_hidden"])  # [B, T, H]
-    cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else DrafterKVCache()
+    if attention == "varlen":
+        cache = TTTCache()
+        segments = batch.get("segments") or Segments.of(seq)  # built ahead by the loop's prefetch thread
+    else:
+        cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else DrafterKVCache()
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []  # per step: (ce_i, acc_i, count_i, served_acc_i), detached
     for i in range(ttt_steps):
         ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
         valid = _shift(loss_mask, i, False) & _shift(in_draft, ahead, False) & _same_sample(seq, ahead)  # [B, T]
-        mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
+        if attention == "varlen":
+            mask = segments
+        else:
+            mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
         hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=mask, cache=cache)
         logp = drafter.logits(hidden).float().log_softmax(dim=-1)  # [B, T, Vd]
         ce = -(_shift(target_p, ahead) * logp).sum(dim=-1)  # [B, T]

@@ -102,13 +102,16 @@ def _host_tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
-def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: int | None = None) -> dict:
+def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: int | None = None,
+                 segments: bool = False) -> dict:
     """One packed row as the shard yields it (numpy; bf16 as uint16, or an fp8 store's hidden
     states as stored: see the module docstring) -> `ttt_forward` batch tensors on `device`.
 
     [1, N] as packed; with `row_tokens` (sdpa) already laid out as [B, R] rows of whole samples
     (`split_rows`, scales laid out with their hidden states), done here on the host so the
-    training step does not wait for the device to find the sample boundaries.
+    training step does not wait for the device to find the sample boundaries. With ``segments``
+    (varlen attention) the batch also gets ``segments``, the `Segments` of its sample ids, found on
+    the host for the same reason.
 
     fp8 rows are dequantized after the copy to `device` (`compact.dequantize_fp8_bits`, the
     arithmetic of the store's own reader): the same bf16 values, bit for bit, as a store read on
@@ -133,10 +136,15 @@ def row_to_batch(row: dict[str, np.ndarray], device, hidden_dtype, row_tokens: i
         from eagle3_ray.drafter.ttt import split_rows
 
         out = split_rows(out, row_tokens)
+    found = {}
+    if segments:
+        from eagle3_ray.drafter.ttt_attention import Segments  # torch only, but kept beside split_rows
+
+        found["segments"] = Segments.of(out["seq_ids"], device)
     if not fp8:
         return {k: v.to(device=device, dtype=hidden_dtype if k.endswith("_hidden") else v.dtype)
-                for k, v in out.items()}
+                for k, v in out.items()} | found
     out = {k: v.to(device=device) for k, v in out.items()}
     for k, blocks in FIELD_BLOCKS.items():
         out[k] = dequantize_fp8_bits(out[k], out.pop(scale_name(k)), blocks).to(dtype=hidden_dtype)
-    return out
+    return out | found

@@ -359,7 +359,8 @@ class Trainer:
     def _convert(self, row: dict) -> tuple[dict[str, torch.Tensor], int]:
         """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
         row_tokens = self.t.row_tokens if self.attention == "sdpa" else None
-        return row_to_batch(row, self.device, self.hidden_dtype, row_tokens), len(row["input_ids"])
+        return (row_to_batch(row, self.device, self.hidden_dtype, row_tokens, segments=self.attention == "varlen"),
+                len(row["input_ids"]))
 
     def _gathered(self):
         """ZeRO-3 partitions parameters: gather them (on every rank) while rank 0 saves."""

@@ -48,7 +48,7 @@ class StepConfig:
 
     ttt_steps: int = 7
     loss_decay: float = 0.8
-    attention: str = "sdpa"  # "sdpa" or "flex" (resolve_attention turns "auto" into one)
+    attention: str = "sdpa"  # "sdpa", "varlen" or "flex" (resolve_attention turns "auto" into one)
     pad_to: int | None = None  # flex: pad every pack to this many tokens (one compiled kernel)
     row_tokens: int | None = None  # sdpa: split a packed [1, N] batch into rows; None when already split
     grad_accum: int = 1  # micro-batches per optimizer step (`stepped` counts them)
@@ -63,13 +63,15 @@ class StepConfig:
 
 
 def resolve_attention(setting: str, device_type: str) -> str:
-    """``train.attention`` -> the implementation to run; flex trains only on CUDA (no CPU backward).
+    """``train.attention`` -> the implementation to run.
 
-    ``auto`` is sdpa everywhere: flex matches sdpa's loss and gradients, and is not the default
-    until its speed in the training loop is known (benchmarks/results/README.md).
+    ``auto``: varlen on CUDA (each sample's causal prefix through flash attention's varlen kernel,
+    the TTT diagonal apart: the fastest, benchmarks/results/README.md "Drafter training MFU"), sdpa
+    elsewhere (varlen's CPU path computes every score explicitly). flex trains only on CUDA (no CPU
+    backward).
     """
     if setting == "auto":
-        return "sdpa"
+        return "varlen" if device_type == "cuda" else "sdpa"
     if setting == "flex" and device_type != "cuda":
         raise ConfigError("train.attention=flex needs CUDA (flex_attention has no CPU backward); use sdpa or auto")
     return setting
