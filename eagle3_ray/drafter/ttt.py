@@ -352,74 +352,17 @@ def ttt_forward(
         else:
             mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
         hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=mask, cache=cache)
-        logits = drafter.logits(hidden)  # [B, T, Vd]
-        ce = soft_cross_entropy(logits, target_p, ahead)  # [B, T]
+        logp = drafter.logits(hidden).float().log_softmax(dim=-1)  # [B, T, Vd]
+        ce = -(_shift(target_p, ahead) * logp).sum(dim=-1)  # [B, T]
         w = valid.float()
         count = w.sum()
         ce_i = (ce * w).sum() / count.clamp(min=1)
         total = total + loss_decay**i * ce_i
-        hits = ((logits.argmax(dim=-1) == _shift(target_ids, ahead)) & valid).float().sum()
+        hits = ((logp.argmax(dim=-1) == _shift(target_ids, ahead)) & valid).float().sum()
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
         scored = (_shift(loss_mask, i, False) & _same_sample(seq, ahead)).float().sum()
         stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
     return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay)
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """[B, T] ``-sum_v p[t + shift, v] * log_softmax(logits[t])_v`` in fp32 (0 where t + shift >= T).
-
-    ``logits`` [B, T, V] (any float dtype, differentiated), ``target_p`` [B, T, V] fp32 (not). The
-    same as ``-(_shift(p, shift) * logits.float().log_softmax(-1)).sum(-1)`` without its [B, T, V]
-    fp32 temporaries (the log-probabilities, the shifted targets, their product) or the autograd
-    graph through them: the forward keeps the log-sum-exp per row, the backward recomputes the
-    softmax, ``d/dz = softmax(z) * sum(p) - p``. On CUDA each direction runs as one compiled kernel
-    over the logits (a pass over the bf16 logits and the fp32 targets each way).
-    """
-    t = logits.shape[1]
-    if shift >= t:
-        return logits[..., 0].float() * 0  # zeros, still in the graph
-    ce = _SoftCrossEntropy.apply(logits[:, : t - shift], target_p[:, shift:])
-    return torch.nn.functional.pad(ce, (0, shift)) if shift else ce
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, p):
-        ce, lse, p_sum = _kernel("ce_forward", logits.device)(logits, p)
-        ctx.save_for_backward(logits, p, lse, p_sum)
-        return ce
-
-    @staticmethod
-    def backward(ctx, grad_ce):
-        logits, p, lse, p_sum = ctx.saved_tensors
-        return _kernel("ce_backward", logits.device)(logits, p, lse, p_sum, grad_ce), None
-
-
-def _ce_forward(logits, p):
-    z = logits.float()
-    lse = torch.logsumexp(z, dim=-1)
-    p_sum = p.sum(dim=-1)
-    return lse * p_sum - (p * z).sum(dim=-1), lse, p_sum
-
-
-def _ce_backward(logits, p, lse, p_sum, grad_ce):
-    z = logits.float()
-    grad = torch.exp(z - lse[..., None]) * p_sum[..., None] - p
-    return (grad * grad_ce[..., None]).to(logits.dtype)
-
-
-_CE_KERNELS = {"ce_forward": _ce_forward, "ce_backward": _ce_backward}
-
-
-def _kernel(name: str, device: torch.device):
-    """``_CE_KERNELS[name]``: compiled on CUDA (fused into one kernel; shapes dynamic, so the TTT
-    steps' lengths and every pack length share it), as written elsewhere."""
-    return _compiled(name) if device.type == "cuda" else _CE_KERNELS[name]
-
-
-@functools.cache
-def _compiled(name: str):
-    return torch.compile(_CE_KERNELS[name], dynamic=True)
 
 
 def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:
