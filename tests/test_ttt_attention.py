@@ -117,3 +117,14 @@ def test_the_prefetch_thread_finds_the_segments_on_the_host():
         found_here = ttt_forward(d, {k: v for k, v in batch.items() if k != "segments"}, _lm_head(d, seed=6),
                                  ttt_steps=3, attention="varlen")
     assert ahead.loss.item() == found_here.loss.item()
+
+
+def test_varlen_is_chosen_only_where_flash_attention_runs():
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.step import resolve_attention
+
+    assert resolve_attention("auto", "cuda", head_dim=128, capability=(9, 0)) == "varlen"
+    assert resolve_attention("auto", "cuda", head_dim=128, capability=(7, 5)) == "sdpa"  # e.g. a T4
+    assert resolve_attention("auto", "cuda", head_dim=100) == "sdpa"
+    with pytest.raises(ConfigError, match="train.attention=varlen needs flash attention.*use sdpa or auto"):
+        resolve_attention("varlen", "cuda", head_dim=128, capability=(7, 0))

@@ -161,7 +161,9 @@ class Trainer:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = torch.device(f"cuda:{ctx.get_local_rank()}" if job.use_gpu else "cpu")
         self.hidden_dtype = torch.bfloat16 if job.use_gpu else torch.float32
-        self.attention = resolve_attention(self.t.attention, self.device.type)
+        self.attention = resolve_attention(
+            self.t.attention, self.device.type, job.drafter_config.head_dim,
+            torch.cuda.get_device_capability(self.device) if job.use_gpu else None)
         self.max_steps = min(job.total_steps, self.t.max_steps or job.total_steps)
         self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
         self.global_step = 0  # optimizer steps taken (restored on resume)

@@ -62,19 +62,34 @@ class StepConfig:
                    row_tokens=row_tokens, grad_accum=t.grad_accum, autocast=autocast)
 
 
-def resolve_attention(setting: str, device_type: str) -> str:
+def resolve_attention(setting: str, device_type: str, head_dim: int | None = None,
+                      capability: tuple[int, int] | None = None) -> str:
     """``train.attention`` -> the implementation to run.
 
     ``auto``: varlen on CUDA (each sample's causal prefix through flash attention's varlen kernel,
-    the TTT diagonal apart: the fastest, benchmarks/results/README.md "Drafter training MFU"), sdpa
-    elsewhere (varlen's CPU path computes every score explicitly). flex trains only on CUDA (no CPU
-    backward).
+    the TTT diagonal apart: the fastest, benchmarks/results/README.md "The H200 session of
+    2026-12-04"), sdpa elsewhere (varlen's CPU path computes every score explicitly) and on a GPU
+    or drafter shape flash attention does not take (``head_dim``, the GPU's compute ``capability``:
+    unknown ones are taken as supported). flex trains only on CUDA (no CPU backward).
     """
+    flash = flash_varlen_supported(head_dim, capability)
     if setting == "auto":
-        return "varlen" if device_type == "cuda" else "sdpa"
+        return "varlen" if device_type == "cuda" and flash else "sdpa"
     if setting == "flex" and device_type != "cuda":
         raise ConfigError("train.attention=flex needs CUDA (flex_attention has no CPU backward); use sdpa or auto")
+    if setting == "varlen" and device_type == "cuda" and not flash:
+        raise ConfigError(
+            f"train.attention=varlen needs flash attention on the GPU (compute capability 8.0 or newer, the "
+            f"drafter's head_dim a multiple of 8 up to 256; here {capability}, head_dim {head_dim}); use sdpa or auto"
+        )
     return setting
+
+
+def flash_varlen_supported(head_dim: int | None, capability: tuple[int, int] | None) -> bool:
+    """Whether flash attention's kernels take this head size on this GPU (None: not known, taken as yes)."""
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return False
+    return capability is None or tuple(capability) >= (8, 0)
 
 
 def adamw(params, lr: float, weight_decay: float = 0.0, fused: bool | None = None) -> torch.optim.AdamW:

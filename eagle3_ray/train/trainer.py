@@ -192,7 +192,7 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     job.use_gpu = _use_gpu(cfg)
     job.run = cfg.name
     # Refuse an impossible attention setting here, not after the workers have started.
-    resolve_attention(cfg.train.attention, "cuda" if job.use_gpu else "cpu")
+    resolve_attention(cfg.train.attention, "cuda" if job.use_gpu else "cpu", job.drafter_config.head_dim)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
