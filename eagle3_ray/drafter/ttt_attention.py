@@ -89,8 +89,7 @@ class TTTCache:
 def ttt_attention(q: torch.Tensor, cache: TTTCache, segments: Segments, fused: bool | None = None) -> torch.Tensor:
     """[B, h, T, D] queries of the latest step over ``cache`` (its last entry is this step's keys)
     -> [B, h, T, D]. ``fused``: flash attention's varlen kernel for the prefix (default: on CUDA in
-    bf16/fp16);
-    otherwise the reference (explicit fp32 scores, any device)."""
+    bf16/fp16), otherwise the reference (explicit fp32 scores, any device)."""
     if fused is None:
         fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     k0, v0 = cache.keys[0], cache.values[0]
@@ -236,9 +235,9 @@ class _prefix_flash:
     def backward(grad_out, q, k, v, out, lse, segments, scale):
         cu, m = segments.cu_seqlens, segments.max_len
         seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: the rng state is unused
+        unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out, q, k, v, out, _lse_kernel(lse, segments), cu, cu, m, m, 0.0, True, seed, torch.empty(0, device=q.device),
-            scale=scale)
+            grad_out, q, k, v, out, _lse_kernel(lse, segments), cu, cu, m, m, 0.0, True, seed, unused, scale=scale)
         return dq, dk, dv
 
 
