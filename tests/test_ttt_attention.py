@@ -128,3 +128,18 @@ def test_varlen_is_chosen_only_where_flash_attention_runs():
     assert resolve_attention("auto", "cuda", head_dim=100) == "sdpa"
     with pytest.raises(ConfigError, match="train.attention=varlen needs flash attention.*use sdpa or auto"):
         resolve_attention("varlen", "cuda", head_dim=128, capability=(7, 0))
+
+
+def test_varlen_under_autocast_matches_sdpa_under_autocast():
+    """fp32 weights under bf16 autocast (StepConfig(autocast=True)): varlen takes q, k, v in the
+    autocast dtype, as sdpa does there, and keeps its own fp32 parts in fp32."""
+    batch = _pack([_sample(n, 90 + n) for n in (11, 6, 8)], pad_to=28)
+    losses = {}
+    for attention in ("sdpa", "varlen"):
+        d = _drafter(seed=7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(d, batch, _lm_head(d, seed=7), ttt_steps=3, attention=attention)
+        out.loss.backward()
+        losses[attention] = out.loss.item()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.parameters() if p.requires_grad)
+    assert losses["varlen"] == pytest.approx(losses["sdpa"], rel=2e-2)

@@ -90,15 +90,21 @@ def ttt_attention(q: torch.Tensor, cache: TTTCache, segments: Segments, fused: b
     """[B, h, T, D] queries of the latest step over ``cache`` (its last entry is this step's keys)
     -> [B, h, T, D]. ``fused``: flash attention's varlen kernel for the prefix (default: on CUDA in
     bf16/fp16), otherwise the reference (explicit fp32 scores, any device)."""
+    keys, values = cache.keys, cache.values
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):  # as sdpa is under autocast: q, k, v in its dtype; the Function runs without
+        dtype = torch.get_autocast_dtype(kind)
+        q, keys, values = q.to(dtype), [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     if fused is None:
         fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    k0, v0 = cache.keys[0], cache.values[0]
-    if len(cache.keys) > 1:
-        kd = torch.stack(cache.keys[1:], dim=3)  # [B, kv, T, i, D]
-        vd = torch.stack(cache.values[1:], dim=3)
+    k0, v0 = keys[0], values[0]
+    if len(keys) > 1:
+        kd = torch.stack(keys[1:], dim=3)  # [B, kv, T, i, D]
+        vd = torch.stack(values[1:], dim=3)
     else:
         kd = vd = None
-    return _TTTAttention.apply(q, k0, v0, kd, vd, segments, fused)
+    with torch.autocast(kind, enabled=False):  # its fp32 parts stay fp32
+        return _TTTAttention.apply(q, k0, v0, kd, vd, segments, fused)
 
 
 class _TTTAttention(torch.autograd.Function):
