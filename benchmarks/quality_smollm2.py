@@ -216,7 +216,7 @@ def train(engine, records, a, device):
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
     from eagle3_ray.train.packing import collate, plan
     from eagle3_ray.train.schedule import warmup_cosine
-    from eagle3_ray.train.step import StepConfig, TorchEngine, TrainStep, adamw
+    from eagle3_ray.train.step import StepConfig, TorchEngine, TrainStep, adamw, resolve_attention
 
     model = engine.target.model
     V = model.get_input_embeddings().num_embeddings
@@ -241,7 +241,8 @@ def train(engine, records, a, device):
     # The cosine runs over the steps the time budget allows, re-estimated once the speed is known.
     horizon = [len(packs)]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, a.warmup, horizon[0], a.min_lr_ratio))
-    attention = a.attention if device.type == "cuda" else "sdpa"  # flex has no CPU backward
+    # The training loop's rule (varlen on CUDA for auto); off CUDA always sdpa, as before (flex has no CPU backward).
+    attention = resolve_attention(a.attention, device.type) if device.type == "cuda" else "sdpa"
     step_fn = TrainStep(TorchEngine(drafter, opt, sched, grad_accum=1, grad_clip=a.grad_clip), lm_head,
                         StepConfig(ttt_steps=a.ttt_steps, loss_decay=a.loss_decay, attention=attention,
                                    pad_to=a.batch_tokens, row_tokens=a.row_tokens, autocast=True))
@@ -491,7 +492,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-clip", type=float, default=_TRAIN_DEFAULTS.grad_clip, help="default: the product's")
     ap.add_argument("--weight-decay", type=float, default=_TRAIN_DEFAULTS.weight_decay, help="default: the product's")
     ap.add_argument("--min-lr-ratio", type=float, default=0.05, help="cosine floor as a share of --lr")
-    ap.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa")
+    ap.add_argument("--attention", choices=("auto", "sdpa", "varlen", "flex"), default="auto",
+                    help="the TTT attention (train.attention); auto: varlen on CUDA, as the training loop")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--chain-k", type=int, default=3)
     ap.add_argument("--topk", type=int, default=8)
