@@ -221,12 +221,17 @@ def test_rows_of_whole_samples_give_the_same_loss_and_gradients():
         grads.append((out, [p.grad.clone() for p in d.parameters() if p.requires_grad]))
     (ref, ref_grads), *others = grads
     for out, g in others:
-        assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
-        for i in range(3):
-            assert out.metrics[f"tokens_{i}"] == ref.metrics[f"tokens_{i}"]
-            assert out.metrics[f"acc_{i}"] == pytest.approx(ref.metrics[f"acc_{i}"])
-        for a, b in zip(g, ref_grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert_same_ttt(out, g, ref, ref_grads, steps=3)
+
+
+def assert_same_ttt(out, grads, ref, ref_grads, steps: int) -> None:
+    """Two TTT results of the same batch: loss, per-step tokens and accuracy, and every gradient agree."""
+    assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
+    for i in range(steps):
+        assert out.metrics[f"tokens_{i}"] == ref.metrics[f"tokens_{i}"]
+        assert out.metrics[f"acc_{i}"] == pytest.approx(ref.metrics[f"acc_{i}"])
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_drafter_overfits_a_tiny_batch():

@@ -8,7 +8,7 @@ import torch
 
 from eagle3_ray.drafter.ttt import ttt_forward
 from eagle3_ray.drafter.ttt_attention import Segments, TTTCache, ttt_attention
-from tests.test_ttt import _drafter, _lm_head, _pack, _sample
+from tests.test_ttt import _drafter, _lm_head, _pack, _sample, assert_same_ttt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,13 +40,7 @@ def test_varlen_gives_the_dense_mask_loss_and_gradients(rows):
         out = ttt_forward(d, batch, _lm_head(d, seed=5), ttt_steps=4, attention=attention)
         out.loss.backward()
         res[attention] = (out, [p.grad for p in d.parameters() if p.requires_grad])
-    (dense, g_dense), (varlen, g_varlen) = res["sdpa"], res["varlen"]
-    assert varlen.loss.item() == pytest.approx(dense.loss.item(), rel=1e-5)
-    for i in range(4):
-        assert varlen.metrics[f"tokens_{i}"] == dense.metrics[f"tokens_{i}"]
-        assert varlen.metrics[f"acc_{i}"] == pytest.approx(dense.metrics[f"acc_{i}"])
-    for a, b in zip(g_varlen, g_dense):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_ttt(*res["varlen"], *res["sdpa"], steps=4)
 
 
 @pytest.mark.parametrize("steps", [1, 3])

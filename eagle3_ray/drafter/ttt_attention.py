@@ -71,15 +71,9 @@ class TTTCache:
     """The TTT unroll's keys and values for `ttt_attention`: step 0's (the prefix) and each later
     step's (the diagonal), [B, kv, T, D] each, kept apart rather than concatenated."""
 
-    growing = False
-
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-
-    @property
-    def length(self) -> int:
-        return sum(k.shape[2] for k in self.keys)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -249,19 +243,19 @@ class _prefix_flash:
 
 def _lse_rows(lse: torch.Tensor, segments: Segments) -> torch.Tensor:
     """The varlen kernel's log-sum-exp -> [N, h] fp32. Flash attention builds differ in its layout:
-    [h, N] (unpadded) or [segments, h, max_len] (padded per segment); both are read."""
-    n = segments.batch * segments.length
-    if lse.dim() == 2:
+    [h, N] (unpadded) or [segments, h, max_len] (padded per segment); both are read, and the layout
+    seen is kept for `_lse_kernel` (the backward takes the forward's)."""
+    _LSE_PADDED[0] = lse.dim() == 3
+    if not _LSE_PADDED[0]:
+        n = segments.batch * segments.length
         assert lse.shape[1] == n, f"unexpected flash log-sum-exp shape {tuple(lse.shape)} for {n} tokens"
         return lse.transpose(0, 1).float()
     return lse[segments.token_segment, :, segments.token_offset].float()  # [N, h]
 
 
-def _lse_kernel(lse: torch.Tensor, segments: Segments, padded: bool | None = None) -> torch.Tensor:
-    """[N, h] -> the layout the varlen backward reads (the one its forward returned, see `_lse_rows`)."""
-    if padded is None:
-        padded = _flash_lse_padded()
-    if not padded:
+def _lse_kernel(lse: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """[N, h] -> the layout the varlen kernel returned in the forward (see `_lse_rows`)."""
+    if not _LSE_PADDED[0]:
         return lse.transpose(0, 1).contiguous()
     n_seg = segments.cu_seqlens.shape[0] - 1
     out = lse.new_zeros(n_seg, lse.shape[1], segments.max_len)
@@ -269,14 +263,4 @@ def _lse_kernel(lse: torch.Tensor, segments: Segments, padded: bool | None = Non
     return out
 
 
-_LSE_PADDED: dict[str, bool] = {}
-
-
-def _flash_lse_padded() -> bool:
-    """Whether this torch's varlen flash kernel returns a padded log-sum-exp (checked once, on a tiny input)."""
-    if "padded" not in _LSE_PADDED:
-        q = torch.zeros(3, 1, 64, dtype=torch.bfloat16, device="cuda")
-        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device="cuda")
-        lse = torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 2, 2, 0.0, True, False)[1]
-        _LSE_PADDED["padded"] = lse.dim() == 3
-    return _LSE_PADDED["padded"]
+_LSE_PADDED = [False]  # the layout of this torch's varlen log-sum-exp, set by every forward
