@@ -11,7 +11,8 @@ No extraction: for each shape a store of --samples random samples of --seq token
 vocab map (the first draft-vocab ids) and random frozen target heads. Shapes: `8b` (Llama-3.1-8B,
 random:builtin:llama3.1-8b-shape, drafter from the target), `kimi` (configs/kimi-k2.5.yaml's drafter
 and ZeRO stage over a Llama-typed target of Kimi-K2.5's width, layer count and 163,840-token vocab),
-`tiny` (configs/ci-tiny.yaml). A run `SHAPE:STAGE` (STAGE a ZeRO stage or `preset`, the config's) is
+`tiny` (configs/ci-tiny.yaml). A run `SHAPE:STAGE[+KEY=VALUE...]` (STAGE a ZeRO stage or `preset`, the
+config's; each `+KEY=VALUE` one more config override for this run, e.g. `8b:1+train.loss_kernel=torch`) is
 `run_training` with one worker and --seq-token packs, in a Ray task stopped once --steps are logged
 (scale_gpus.run_capped). Figures: tokens/s over the log windows after --warmup-steps (metrics.jsonl),
 MFU = train_step.step_flops per pack / time / --peak-tflops, the packs' input wait, and the GPU's
@@ -58,7 +59,8 @@ SHAPES = {  # name -> (config file or None, target.model or None = KIMI_TARGET w
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="8b:1,kimi:preset,kimi:1,8b:2",
-                    help="comma-separated SHAPE:STAGE, in order (shapes: 8b, kimi, tiny; STAGE: 0-3 or preset)")
+                    help="comma-separated SHAPE:STAGE[+KEY=VALUE...], in order (shapes: 8b, kimi, tiny; STAGE: 0-3 "
+                         "or preset; +KEY=VALUE: config overrides of that run only)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sample = per pack (train.batch_tokens)")
     ap.add_argument("--samples", type=int, default=8, help="samples in each shape's store (epochs repeat them)")
@@ -78,10 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.run_list = []
     for spec in a.runs.split(","):
-        shape, _, stage = spec.strip().partition(":")
-        if shape not in SHAPES or not (stage == "preset" or stage in "0123" and len(stage) == 1):
-            ap.error(f"--runs entry {spec!r}: SHAPE:STAGE with SHAPE in {sorted(SHAPES)} and STAGE 0-3 or preset")
-        a.run_list.append((shape, stage))
+        run, *overrides = spec.strip().split("+")
+        shape, _, stage = run.partition(":")
+        if (shape not in SHAPES or not (stage == "preset" or stage in "0123" and len(stage) == 1)
+                or not all("=" in o for o in overrides)):
+            ap.error(f"--runs entry {spec!r}: SHAPE:STAGE[+KEY=VALUE...] with SHAPE in {sorted(SHAPES)} and STAGE "
+                     "0-3 or preset")
+        a.run_list.append((shape, stage, tuple(overrides)))
     if a.warmup_steps >= a.steps:
         ap.error("--warmup-steps must be below --steps")
     if a.device == "cpu" and a.num_cpus is None:
@@ -185,7 +190,7 @@ class GpuMemoryPeak:
         return (self.peak - self.base) / 1024
 
 
-def train_run(a, shape: str, stage: str, root: Path, inputs: dict, cap: float) -> dict:
+def train_run(a, shape: str, stage: str, overrides: tuple[str, ...], root: Path, inputs: dict, cap: float) -> dict:
     from eagle3_ray.engines.heads import HEADS_FILE
     from eagle3_ray.features import open_store
     from eagle3_ray.train.packing import plan_epoch
@@ -193,13 +198,14 @@ def train_run(a, shape: str, stage: str, root: Path, inputs: dict, cap: float) -
     cfg0, info, (store, vocab, heads) = inputs[shape]
     zero = cfg0.train.zero_stage if stage == "preset" else int(stage)
     per_epoch = len(plan_epoch(open_store(store).lengths, a.seq, 0, 0))
-    out = root / f"train_{shape}_z{zero}"
+    label = f"{shape}_zero{zero}" + "".join(f"+{o}" for o in overrides)
+    out = root / f"train_{len(list(root.glob('train_*')))}"
     out.mkdir(parents=True, exist_ok=True)
     os.link(heads, out / HEADS_FILE)
     cfg = make_cfg(a, shape, root, [
         f"train.zero_stage={zero}", f"train.max_steps={a.steps}", f"train.epochs={math.ceil(1.2 * a.steps / per_epoch) + 1}",
         f"train.log_every={a.log_every}", f"train.checkpoint_every={a.steps}", "train.val_share=0",
-        f"name=loop-{shape}-z{zero}",
+        f"name=loop-{shape}-z{zero}-{out.name}", *overrides,
     ])
     metrics = out / "metrics.jsonl"
 
@@ -207,7 +213,7 @@ def train_run(a, shape: str, stage: str, root: Path, inputs: dict, cap: float) -
         lines = metric_lines(metrics)
         return bool(lines) and lines[-1]["step"] >= a.steps
 
-    print(f"[loop] {shape} ZeRO-{zero}: {a.steps} steps of {a.seq} tokens, cap {cap:.0f}s", flush=True)
+    print(f"[loop] {label}: {a.steps} steps of {a.seq} tokens, cap {cap:.0f}s", flush=True)
     with GpuMemoryPeak() as mem:
         res = run_capped(_train_task, (cfg, str(store), str(vocab), str(out)), cap, measured)
     lines = metric_lines(metrics)
@@ -217,7 +223,8 @@ def train_run(a, shape: str, stage: str, root: Path, inputs: dict, cap: float) -
     waits = [m["input_wait"] for m in lines if m["step"] - a.log_every >= a.warmup_steps]
     error = res.error or ""
     run = {
-        "shape": shape, "zero_stage": zero, "status": res.status, "seconds": res.seconds,
+        "shape": shape, "zero_stage": zero, "overrides": list(overrides), "label": label,
+        "status": res.status, "seconds": res.seconds,
         "oom": "out of memory" in error.lower() or "OutOfMemoryError" in error,
         "error": res.error, "steps_done": lines[-1]["step"] if lines else 0, "steps_measured": steps,
         "tokens_per_s": rate, "achieved_tflops": tflops,
@@ -227,7 +234,7 @@ def train_run(a, shape: str, stage: str, root: Path, inputs: dict, cap: float) -
         "windows_tokens_per_s": [round(m["tokens_per_s"], 1) for m in lines],
     }
     mfu = f", MFU {run['mfu']:.1%}" if run["mfu"] is not None else ""
-    print(f"[loop] {shape} ZeRO-{zero}: {_fmt(rate)} tok/s over {steps} steps{mfu}, input wait "
+    print(f"[loop] {label}: {_fmt(rate)} tok/s over {steps} steps{mfu}, input wait "
           f"{run['input_wait']}, peak {run['peak_gpu_gib_nvidia_smi']} GiB; {res.status} in {res.seconds}s"
           + (" (OUT OF MEMORY)" if run["oom"] else ""), flush=True)
     shutil.rmtree(out, ignore_errors=True)
@@ -257,23 +264,24 @@ def main(argv=None) -> int:
 
     try:
         inputs = {}
-        for shape in dict.fromkeys(s for s, _ in a.run_list):
+        for shape in dict.fromkeys(s for s, _, _ in a.run_list):
             cfg = make_cfg(a, shape, root / shape, [])
             info = describe_target(cfg.target)
             t = time.monotonic()
             inputs[shape] = (cfg, info, write_store(cfg, info, root / shape, a.samples, a.seq, a.draft_vocab))
             print(f"[loop] {shape}: store, vocab map and heads written in {time.monotonic() - t:.1f}s", flush=True)
         init_ray(make_cfg(a, a.run_list[0][0], root / a.run_list[0][0], []).ray)
-        for shape, stage in a.run_list:
+        for shape, stage, overrides in a.run_list:
             left = a.budget_s - (time.monotonic() - t0)
+            run = {"shape": shape, "zero_stage": stage, "overrides": list(overrides)}
             if left < a.min_run_s:
-                report["runs"].append({"shape": shape, "zero_stage": stage, "status": "skipped (budget)"})
+                report["runs"].append(run | {"status": "skipped (budget)"})
                 continue
             try:
-                report["runs"].append(train_run(a, shape, stage, root / shape, inputs, min(a.run_cap_s, left)))
+                report["runs"].append(train_run(a, shape, stage, overrides, root / shape, inputs,
+                                                min(a.run_cap_s, left)))
             except Exception as e:  # report it; the next run may still work
-                report["runs"].append({"shape": shape, "zero_stage": stage, "status": "error",
-                                       "error": f"{type(e).__name__}: {e}"})
+                report["runs"].append(run | {"status": "error", "error": f"{type(e).__name__}: {e}"})
             save()
     finally:
         save()

@@ -50,9 +50,10 @@ def step_flops(a, seq: int) -> float:
     return train + target
 
 
-def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[str]) -> dict:
-    """Each of ``modes`` against sdpa on one packed row of 3 samples + padding: loss and every
-    gradient must agree (relative differences of the gradients' norms)."""
+def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) -> dict:
+    """Each (attention, loss kernel) of ``modes`` against sdpa with the torch loss on one packed row of
+    3 samples + padding: loss and every gradient must agree (relative differences of the gradients'
+    norms). Keys name a mode ``attention/kernel``."""
     from eagle3_ray.drafter.ttt import ttt_forward
 
     g = torch.Generator().manual_seed(1)
@@ -69,18 +70,19 @@ def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[str]) -> dict:
     }
     batch = {k: v.to(dev) for k, v in batch.items()}
     res = {}
-    for attention in ["sdpa", *[m for m in modes if m != "sdpa"]]:
+    ref = "sdpa/torch"
+    for attention, kernel in [("sdpa", "torch"), *[m for m in modes if m != ("sdpa", "torch")]]:
         drafter.zero_grad(set_to_none=True)
-        out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention)
+        out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, loss_kernel=kernel)
         out.loss.backward()
-        res[attention] = (out.loss.item(), {n: p.grad.float().clone() for n, p in drafter.named_parameters()
-                                            if p.grad is not None})
+        res[f"{attention}/{kernel}"] = (out.loss.item(), {n: p.grad.float().clone()
+                                                          for n, p in drafter.named_parameters() if p.grad is not None})
     drafter.zero_grad(set_to_none=True)
-    check = {"loss_sdpa": res["sdpa"][0]}
+    check = {f"loss_{ref}": res[ref][0]}
     for m in res:
-        if m == "sdpa":
+        if m == ref:
             continue
-        rel = {n: ((res[m][1][n] - g0).norm() / g0.norm().clamp(min=1e-12)).item() for n, g0 in res["sdpa"][1].items()}
+        rel = {n: ((res[m][1][n] - g0).norm() / g0.norm().clamp(min=1e-12)).item() for n, g0 in res[ref][1].items()}
         check.update({f"loss_{m}": res[m][0], f"grad_rel_diff_max_{m}": max(rel.values()), f"grad_rel_diff_{m}": rel})
     return check
 
@@ -104,9 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto",
                     help="comma-separated: auto (the training loop's choice: varlen on CUDA, sdpa elsewhere), "
                          "sdpa, varlen, flex (each timed in this run)")
+    ap.add_argument("--loss-kernel", default="auto",
+                    help="comma-separated: auto (the training loop's choice: triton on CUDA, torch elsewhere), "
+                         "triton, torch (train.loss_kernel; each timed with each --attention mode)")
     ap.add_argument("--check", action="store_true",
-                    help="first compare loss and gradients of every --attention mode with sdpa's on a packed "
-                         "batch of 3 samples")
+                    help="first compare loss and gradients of every --attention and --loss-kernel mode with "
+                         "sdpa's and the torch loss's on a packed batch of 3 samples")
     ap.add_argument("--sync-check", action="store_true",
                     help="count the host synchronisations of one step (CUDA only: torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
@@ -243,7 +248,7 @@ def top_kernels(fn, n: int, sync) -> list[dict] | None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention
+    from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention, resolve_loss_kernel
 
     dev = torch.device(a.device)
     # DeepSpeed keeps fp32 master weights and casts the module to bf16 itself (train/loop.py builds
@@ -268,15 +273,17 @@ def main(argv=None) -> int:
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     flops = step_flops(a, seq)
+    attentions = list(dict.fromkeys(resolve_attention(m, dev.type) for m in a.attention.split(",")))
+    kernels = list(dict.fromkeys(resolve_loss_kernel(m, dev.type) for m in a.loss_kernel.split(",")))
     check = None
     if a.check:
         check = _check_modes(engine.module, lm_head, a, dev, hidden_dtype,
-                             [resolve_attention(m, dev.type) for m in a.attention.split(",")])
+                             [(m, k) for m in attentions for k in kernels])
         print(f"check against sdpa: {json.dumps({k: v for k, v in check.items() if not isinstance(v, dict)})}",
               flush=True)
 
-    def time_mode(attention: str) -> dict:
-        step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention))
+    def time_mode(attention: str, kernel: str) -> dict:
+        step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention, loss_kernel=kernel))
         batch = dict(packed)
         if attention == "varlen":  # found on the host ahead of the step, as the loop's prefetch thread does
             from eagle3_ray.drafter.ttt_attention import Segments
@@ -306,16 +313,17 @@ def main(argv=None) -> int:
         }
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
-        print(f"[{a.engine} {attention}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
+        print(f"[{a.engine} {attention} {kernel}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
               + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
         for k in kernels or []:
             print(f"  {k['share']:6.1%} {k['ms']:8.2f} ms x{k['calls']:<4} {k['name'][:110]}", flush=True)
         return r
 
-    modes: dict[str, dict] = {}
-    for m in dict.fromkeys(resolve_attention(m, dev.type) for m in a.attention.split(",")):
-        modes[m] = time_mode(m)
+    modes: dict[str, dict] = {}  # by attention, or attention/kernel when more than one loss kernel is timed
+    for m in attentions:
+        for k in kernels:
+            modes[m if len(kernels) == 1 else f"{m}/{k}"] = time_mode(m, k) | {"loss_kernel": k}
         _write(a.json, _result(a, dev, flops, modes, check))  # partial results survive a timeout
     print(json.dumps(_result(a, dev, flops, modes, check), indent=2))
     return 0

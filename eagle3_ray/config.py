@@ -170,6 +170,11 @@ class TrainConfig(_Section):
         "flex_attention, compiled; CUDA only; 5x slower than sdpa on an H200). auto = varlen on CUDA, sdpa "
         "elsewhere."
     )
+    loss_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="The TTT loss's soft cross-entropy, the same function two ways: triton (one fused "
+        "kernel per direction over the drafter's logits; CUDA) or torch (plain ops, any device; keeps fp32 "
+        "copies of the logits for the backward). auto = triton on CUDA where Triton imports, torch elsewhere."
+    )
     compile: bool = Field(False, description="torch.compile the drafter layer (GPU training; ~1 min warm-up).")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
     lr: float = Field(1e-4, gt=0.0)

@@ -310,3 +310,13 @@ def test_ranks_stop_together_when_any_runs_out_of_packs(tmp_path):
         assert json.loads(open(f"{out}.{rank}").read()) == [True, True, False]
     assert _vote_group() is None  # no process group here: nothing to vote with
     assert _all_have_data(False, None) is False and _all_have_data(True, None) is True
+
+
+def test_train_refuses_the_triton_loss_on_cpu_before_any_worker_starts(ray_local, ci_tiny_inputs, tmp_path):
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.trainer import run_training
+
+    cfg = load_config(CI_CONFIG, ["train.use_gpu=false", "train.loss_kernel=triton"])
+    with pytest.raises(ConfigError, match="train.loss_kernel=triton needs CUDA"):
+        run_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / "out")
+    assert not (tmp_path / "out" / "ray_train").exists()  # refused on the driver: no Ray Train run began

@@ -100,7 +100,7 @@ loop = parts.get("loop", {})
 # On CPU the loop runs the tiny shape at ZeRO-1 and 2, standing in for both shapes.
 s8, sk = ("tiny", "tiny") if device == "cpu" else ("8b", "kimi")
 for run in loop.get("runs", []):
-    key = f"{run['shape']}_zero{run.get('zero_stage')}"
+    key = f"{run['shape']}_zero{run.get('zero_stage')}" + "".join(f"+{o}" for o in run.get("overrides", []))
     s[f"train_mfu_loop_{key}"] = run.get("mfu")
     s[f"train_tokens_per_s_loop_{key}"] = run.get("tokens_per_s")
     s[f"train_peak_gib_loop_{key}"] = run.get("peak_gpu_gib_nvidia_smi")
@@ -108,7 +108,7 @@ for run in loop.get("runs", []):
     s[f"train_status_loop_{key}"] = run.get("status", "") + (" (OUT OF MEMORY: does not fit)" if run.get("oom") else "")
 # The headline loop figures: ZeRO-1 at 8B, the preset's stage (the Kimi run that is not ZeRO-1) at Kimi.
 kimi_stage = next((r.get("zero_stage") for r in loop.get("runs", [])
-                   if r["shape"] == sk and r.get("zero_stage") not in (1, "1")), None)
+                   if r["shape"] == sk and r.get("zero_stage") not in (1, "1") and not r.get("overrides")), None)
 s["train_mfu_loop_8b"] = s.get(f"train_mfu_loop_{s8}_zero1")
 s["train_mfu_loop_kimi"] = s.get(f"train_mfu_loop_{sk}_zero{kimi_stage}")
 s["train_kimi_loop_fits"] = (None if f"train_status_loop_{sk}_zero{kimi_stage}" not in s

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+from eagle3_ray.drafter.soft_ce import soft_cross_entropy
 from eagle3_ray.drafter.ttt_attention import Segments, TTTCache
 
 FLEX_BLOCK = 128  # flex_attention's default block size; T is padded to a multiple of it
@@ -310,6 +311,7 @@ def ttt_forward(
     attention: Literal["sdpa", "flex", "varlen"] = "sdpa",
     pad_to: int | None = None,
     row_tokens: int | None = None,
+    loss_kernel: Literal["auto", "torch", "triton"] = "auto",
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
 
@@ -325,6 +327,7 @@ def ttt_forward(
     ``row_tokens`` (sdpa): split a packed [1, N] batch into rows of whole samples of about this
     many tokens (``split_rows``): the same loss at a fraction of the dense attention's cost.
     ``batch["segments"]`` (varlen, optional): the `Segments` of ``seq_ids``, built ahead.
+    ``loss_kernel``: how each step's soft cross-entropy runs (`drafter.soft_ce`; the same function).
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
     if attention == "flex":
@@ -352,13 +355,12 @@ def ttt_forward(
         else:
             mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
         hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=mask, cache=cache)
-        logp = drafter.logits(hidden).float().log_softmax(dim=-1)  # [B, T, Vd]
-        ce = -(_shift(target_p, ahead) * logp).sum(dim=-1)  # [B, T]
+        ce, pred = soft_cross_entropy(drafter.logits(hidden), target_p, ahead, loss_kernel)  # [B, T] each
         w = valid.float()
         count = w.sum()
         ce_i = (ce * w).sum() / count.clamp(min=1)
         total = total + loss_decay**i * ce_i
-        hits = ((logp.argmax(dim=-1) == _shift(target_ids, ahead)) & valid).float().sum()
+        hits = ((pred == _shift(target_ids, ahead)) & valid).float().sum()
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
         scored = (_shift(loss_mask, i, False) & _same_sample(seq, ahead)).float().sum()
         stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))

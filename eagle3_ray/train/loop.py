@@ -31,7 +31,9 @@ from eagle3_ray.train import checkpoint as ck
 from eagle3_ray.train.data import row_to_batch
 from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
 from eagle3_ray.train.schedule import warmup_cosine
-from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention  # noqa: F401 (importable from here)
+from eagle3_ray.train.step import (  # noqa: F401 (importable from here)
+    StepConfig, TrainStep, resolve_attention, resolve_loss_kernel,
+)
 
 
 @dataclass
@@ -164,6 +166,7 @@ class Trainer:
         self.attention = resolve_attention(
             self.t.attention, self.device.type, job.drafter_config.head_dim,
             torch.cuda.get_device_capability(self.device) if job.use_gpu else None)
+        self.loss_kernel = resolve_loss_kernel(self.t.loss_kernel, self.device.type)
         self.max_steps = min(job.total_steps, self.t.max_steps or job.total_steps)
         self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
         self.global_step = 0  # optimizer steps taken (restored on resume)
@@ -200,7 +203,8 @@ class Trainer:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         # Rows reach the step already laid out by the prefetch thread (row_to_batch): no row_tokens here.
-        self.train_step = TrainStep(self.engine, lm_head, StepConfig.from_train(t, self.attention))
+        self.train_step = TrainStep(self.engine, lm_head,
+                                    StepConfig.from_train(t, self.attention, loss_kernel=self.loss_kernel))
         self.vote_group = _vote_group()  # before restore: rank 0 broadcasts its choice of checkpoint on it
         self.global_step, self.consumed = self.restore()
         self.resumed_from = self.global_step

@@ -22,6 +22,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from eagle3_ray.drafter.soft_ce import resolve_loss_kernel  # noqa: F401 (train.loss_kernel's rule, importable here)
 from eagle3_ray.drafter.ttt import TTTOutput, held_out_metrics, held_out_sums, ttt_forward
 from eagle3_ray.errors import ConfigError
 
@@ -53,13 +54,17 @@ class StepConfig:
     row_tokens: int | None = None  # sdpa: split a packed [1, N] batch into rows; None when already split
     grad_accum: int = 1  # micro-batches per optimizer step (`stepped` counts them)
     autocast: bool = False  # bf16 autocast on CUDA, for fp32 weights (DeepSpeed's bf16 module needs none)
+    loss_kernel: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA where it imports; drafter/soft_ce.py)
 
     @classmethod
-    def from_train(cls, t, attention: str, row_tokens: int | None = None, autocast: bool = False) -> StepConfig:
+    def from_train(cls, t, attention: str, row_tokens: int | None = None, autocast: bool = False,
+                   loss_kernel: str | None = None) -> StepConfig:
         """From a `config.TrainConfig` (`attention` resolved; `row_tokens` only where the batches are
-        not laid out as rows already, as the worker's prefetch thread does)."""
+        not laid out as rows already, as the worker's prefetch thread does; `loss_kernel` resolved, or
+        None for ``t.loss_kernel``)."""
         return cls(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, attention=attention, pad_to=t.batch_tokens,
-                   row_tokens=row_tokens, grad_accum=t.grad_accum, autocast=autocast)
+                   row_tokens=row_tokens, grad_accum=t.grad_accum, autocast=autocast,
+                   loss_kernel=loss_kernel or t.loss_kernel)
 
 
 def resolve_attention(setting: str, device_type: str, head_dim: int | None = None,
@@ -156,7 +161,7 @@ class TrainStep:
         c = self.cfg
         with self._autocast(batch["input_ids"]):
             return ttt_forward(self.engine.module, batch, self.lm_head, c.ttt_steps, c.loss_decay, c.attention,
-                               pad_to=c.pad_to, row_tokens=c.row_tokens)
+                               pad_to=c.pad_to, row_tokens=c.row_tokens, loss_kernel=c.loss_kernel)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """Forward, backward, and the engine's step (the optimizer steps at the end of each window)."""

@@ -34,7 +34,7 @@ from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
 from eagle3_ray.train.packing import holdout_groups, padding_efficiency, plan, remap
-from eagle3_ray.train.step import resolve_attention
+from eagle3_ray.train.step import resolve_attention, resolve_loss_kernel
 
 VOCAB_FILE = "vocab_map.safetensors"
 
@@ -193,6 +193,8 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
     job.run = cfg.name
     # Refuse an impossible attention setting here, not after the workers have started.
     resolve_attention(cfg.train.attention, "cuda" if job.use_gpu else "cpu", job.drafter_config.head_dim)
+    if not job.use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
+        resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
