@@ -188,10 +188,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def count_syncs(fn) -> int | None:
-    """Host synchronisations while ``fn()`` runs (CUDA's sync debug mode warns at each one)."""
+def count_syncs(fn) -> tuple[int | None, list[str]]:
+    """Host synchronisations while ``fn()`` runs (CUDA's sync debug mode warns at each one), and
+    where each came from (the warning's file:line, the Python line that synchronised)."""
     if not torch.cuda.is_available():
-        return None
+        return None, []
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -200,7 +201,8 @@ def count_syncs(fn) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    sites = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return len(sites), sites
 
 
 def breakdown(step, batch: dict, n: int, sync) -> dict[str, float]:
@@ -284,6 +286,8 @@ def main(argv=None) -> int:
 
     def time_mode(attention: str, kernel: str) -> dict:
         step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention, loss_kernel=kernel))
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)  # each mode's own peak
         batch = dict(packed)
         if attention == "varlen":  # found on the host ahead of the step, as the loop's prefetch thread does
             from eagle3_ray.drafter.ttt_attention import Segments
@@ -292,7 +296,7 @@ def main(argv=None) -> int:
         for _ in range(a.warmup):
             step(batch)
         sync()
-        syncs = count_syncs(lambda: step(batch)) if a.sync_check else None
+        syncs, sync_sites = count_syncs(lambda: step(batch)) if a.sync_check else (None, [])
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step(batch)
@@ -308,6 +312,7 @@ def main(argv=None) -> int:
             # everything the step holds: weights, optimizer state (and master weights), activations
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "host_syncs_per_step": syncs,
+            "host_sync_sites": sync_sites,
             "breakdown_seconds": parts,
             "top_kernels": kernels,
         }
@@ -315,6 +320,7 @@ def main(argv=None) -> int:
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
         print(f"[{a.engine} {attention} {kernel}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
+              + (f" (at {', '.join(sync_sites)})" if sync_sites else "")
               + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
         for k in kernels or []:
             print(f"  {k['share']:6.1%} {k['ms']:8.2f} ms x{k['calls']:<4} {k['name'][:110]}", flush=True)

@@ -62,9 +62,10 @@ def check_ttt(device: str) -> None:
     batch = {k: v.to(device) for k, v in _pack([_sample(n, 60 + n) for n in (11, 4, 9)], pad_to=30).items()}
     res = {}
     for kernel in ("triton", "torch"):
-        d = _drafter(seed=8).to(device)
-        out = ttt_forward(d, batch, _lm_head(d, seed=8).to(device), ttt_steps=3, attention="sdpa",
-                          loss_kernel=kernel)
+        d = _drafter(seed=8)
+        lm_head = _lm_head(d, seed=8).to(device)
+        d = d.to(device)
+        out = ttt_forward(d, batch, lm_head, ttt_steps=3, attention="sdpa", loss_kernel=kernel)
         out.loss.backward()
         res[kernel] = (out, [p.grad for p in d.parameters() if p.requires_grad])
     assert_same_ttt(*res["triton"], *res["torch"], steps=3)

@@ -8,8 +8,11 @@ sglang_kill_every_sample_once.
 
   a  throughput  Llama-3.1-8B shape (dummy weights), 16 x 2048-token samples per call: sglang.Engine
                  prefill with the capture settings and no hook, then SGLangEngine.capture (hooks, the
-                 writer thread, the mapped files, the bf16 views CaptureWriteUDF takes) with one caller
-                 and with 2 .. --max-callers concurrent callers (2: CaptureWriteUDF's default on a GPU actor).
+                 writer threads, the mapped files, the bf16 views CaptureWriteUDF takes) with --min-callers
+                 .. --max-callers concurrent callers (2: CaptureWriteUDF's default on a GPU actor), once per
+                 --writers count (the hook's writer threads), with the writers' account of each measurement
+                 (seconds per batch: in the forward's thread, blocked on a full queue, waiting for the copy,
+                 writing).
   d  deepseek    a 6-layer DeepSeek-V3/Kimi-shaped target (MLA + MoE, seeded random bf16 weights saved
                  once): SGLangEngine capture (0.5.17: layer hooks) vs HFEngine on the same ids: relative
                  error per aux layer and last_hidden, and which HF hidden_states index each captured
@@ -167,6 +170,7 @@ def part_a(a) -> dict:
     import torch
 
     from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
+    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, WRITERS_ENV, read_writer_stats
     from eagle3_ray.features.record import bf16_to_uint16
 
     shape = WORK / "llama8b-shape"
@@ -204,33 +208,43 @@ def part_a(a) -> dict:
     res["prefill"] = {**prefill, "start_s": start}
     log(f"prefill: {res['prefill']}")
 
-    t = time.perf_counter()
-    engine = SGLangEngine(cfg, mode="capture", engine_factory=factory)
-    start = time.perf_counter() - t
-
-    def capture(b):
-        # What CaptureWriteUDF hands on to the store writer, each capture's bytes read once (as the
-        # writer does): the engine maps the hook's files, so nothing is read until something touches it.
-        for c in engine.capture(b):
-            bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)).copy()
-            bf16_to_uint16(c.last_hidden.to(torch.bfloat16)).copy()
-
-    try:
-        res["capture_1_caller"] = {**_rate(capture, batches), "start_s": start}
-        log(f"capture, 1 caller: {res['capture_1_caller']}")
-        for n in range(2, a.max_callers + 1):
-            res[f"capture_{n}_callers"] = _rate(capture, batches, threads=n)
-            log(f"capture, {n} callers: {res[f'capture_{n}_callers']}")
-        res["restarts"] = engine.restarts
-    finally:
-        engine.close()
     p = res["prefill"]["tokens_per_s"]
-    res["ratio_1_caller"] = res["capture_1_caller"]["tokens_per_s"] / p
-    for n in range(2, a.max_callers + 1):
-        res[f"ratio_{n}_callers"] = res[f"capture_{n}_callers"]["tokens_per_s"] / p
+    # One capture engine per writer-thread count of the hook (EAGLE3_RAY_CAPTURE_WRITERS, inherited by
+    # SGLang's scheduler processes); keys of the hook's default count carry no suffix.
+    for writers in [int(w) for w in a.writers.split(",")]:
+        os.environ[WRITERS_ENV] = str(writers)
+        sfx = "" if writers == DEFAULT_WRITERS else f"_{writers}_writers"
+        t = time.perf_counter()
+        engine = SGLangEngine(cfg, mode="capture", engine_factory=factory)
+        start = time.perf_counter() - t
+
+        def capture(b):
+            # What CaptureWriteUDF hands on to the store writer, each capture's bytes read once (as the
+            # writer does): the engine maps the hook's files, so nothing is read until something touches it.
+            for c in engine.capture(b):
+                bf16_to_uint16(c.aux_hidden.to(torch.bfloat16)).copy()
+                bf16_to_uint16(c.last_hidden.to(torch.bfloat16)).copy()
+
+        try:
+            for n in range(a.min_callers, a.max_callers + 1):
+                key = f"capture_{n}_caller{'s' if n > 1 else ''}{sfx}"
+                before = read_writer_stats(engine._dir) or {}
+                res[key] = {**_rate(capture, batches, threads=n), "start_s": start}
+                # where the hook's time went over this measurement (warm-up batch included): seconds per batch
+                after = read_writer_stats(engine._dir) or {}
+                done = after.get("batches", 0) - before.get("batches", 0)
+                res[key]["writer"] = {k: (after[k] - before.get(k, 0)) / max(done, 1) for k in
+                                      ("hook_s", "put_blocked_s", "copy_wait_s", "write_s")} | {
+                                          "batches": done, "writers": after.get("writers")}
+                res[f"ratio_{n}_caller{'s' if n > 1 else ''}{sfx}"] = res[key]["tokens_per_s"] / p
+                log(f"capture, {n} callers, {writers} writer threads: {res[key]}")
+            res[f"restarts{sfx}"] = engine.restarts
+        finally:
+            engine.close()
+    os.environ.pop(WRITERS_ENV, None)
     # The product's capture runs extract.concurrent_batches calls at once (2 on a GPU actor unless set):
     # the ratio reported is the one at the product's default; the others say what raising it buys.
-    res["sglang_extract_ratio"] = res["ratio_2_callers"]
+    res["sglang_extract_ratio"] = res.get("ratio_2_callers")
     return res
 
 
@@ -491,7 +505,7 @@ def part_e(a) -> dict:
 
 
 # part: (name, function, seconds it needs at least, seconds it may take at most)
-PARTS = {"a": ("throughput", part_a, 100, 200), "d": ("deepseek", part_d, 45, 150), "b": ("kill", part_b, 120, 270),
+PARTS = {"a": ("throughput", part_a, 100, 450), "d": ("deepseek", part_d, 45, 150), "b": ("kill", part_b, 120, 270),
          "c": ("generate", part_c, 60, 120), "e": ("plain", part_e, 60, 180), "prep": ("prep", prep, 0, 0)}
 KEYS = {"a": "sglang_extract_ratio", "c": "sglang_generate_vs_hf", "d": "deepseek_capture_max_rel_err",
         "b": "sglang_kill_every_sample_once", "e": "sglang_plain_vs_graphed_plain"}
@@ -527,7 +541,7 @@ def driver(a) -> None:
     base = [sys.executable, "-u", __file__, "--out", str(out), "--cpu"] if a.cpu else \
         [sys.executable, "-u", __file__, "--out", str(out)]
     passthrough = ["--seq", str(a.seq), "--per-batch", str(a.per_batch), "--batches", str(a.batches),
-                   "--max-callers", str(a.max_callers), "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
+                   "--min-callers", str(a.min_callers), "--max-callers", str(a.max_callers), "--writers", a.writers, "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
                    "--kill-variants", str(a.kill_variants), "--kill-after-shards", str(a.kill_after_shards)]
     bg_log = open(out / "sglang2_prep.log", "w")
     bg = subprocess.Popen([*base, *passthrough, "--part", "prep"], stdout=bg_log, stderr=subprocess.STDOUT)
@@ -580,7 +594,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--per-batch", type=int, default=16)
     p.add_argument("--batches", type=int, default=7)
+    p.add_argument("--min-callers", type=int, default=1, help="part a: capture with this many .. --max-callers")
     p.add_argument("--max-callers", type=int, default=2, help="part a: capture with 1 .. this many concurrent callers")
+    p.add_argument("--writers", default="1", help="part a: the hook's writer threads, one capture engine per count")
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -37,6 +37,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -135,12 +136,13 @@ def write_batch(
     hidden: torch.Tensor,  # [N, H] post-final-norm
     aux: torch.Tensor | list[torch.Tensor],  # [N, 3H] packed, or three [N, H]
 ) -> None:
-    """Hand one extend batch to the writer thread, which splits it into per-request files.
+    """Hand one extend batch to the writer threads, which split it into per-request files.
 
     On CUDA the rows go to pinned host buffers with non-blocking copies on a side stream, so the
-    forward is not stalled by the device-to-host copy or the file writes; the writer waits for the
+    forward is not stalled by the device-to-host copy or the file writes; a writer waits for the
     copy's event, then writes. ``flush()`` waits until every batch handed over so far is written.
     """
+    t0 = time.perf_counter()
     aux_packed = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)  # [N, 3H]
     lens = forward_batch.extend_seq_lens_cpu
     if lens is None:
@@ -150,11 +152,11 @@ def write_batch(
     reqs = [(rid, int(n), int(c)) for rid, n, c in zip(forward_batch.rids, lens, prefix)]
     rows = sum(n for _, n, _ in reqs)
     host_aux, host_last, ready = _to_host(aux_packed[:rows], hidden[:rows])
-    _writer().put(Path(directory), reqs, host_aux, host_last, ready)
+    _writer().put(Path(directory), reqs, host_aux, host_last, ready, t0)
 
 
 def flush(timeout: float | None = None) -> None:
-    """Wait until the writer thread has written every batch handed to it so far."""
+    """Wait until the writer threads have written every batch handed to them so far."""
     w = _WRITER
     if w is not None:
         w.flush(timeout)
@@ -184,43 +186,101 @@ def _to_host(aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch
 
 _SIDE_STREAM: Any = None
 # Batches copied but not written yet: at most this many, so host memory stays bounded when the
-# writes fall behind (the forward then waits for the writer).
+# writes fall behind (the forward then waits for a writer).
 MAX_PENDING_BATCHES = 8
+# Writer threads of a scheduler process (each writes whole batches; file.write releases the GIL, so
+# they write in parallel). EAGLE3_RAY_CAPTURE_WRITERS, read when the first batch arrives, sets it.
+WRITERS_ENV = "EAGLE3_RAY_CAPTURE_WRITERS"
+DEFAULT_WRITERS = 1
+# Written next to the captures after every batch: where the hook's time goes (_Writer.stats).
+STATS_FILE = "writer-stats.json"
 
 
 class _Writer:
-    """One daemon thread per scheduler process writing the captured batches, in order."""
+    """Daemon threads of the scheduler process writing the captured batches.
 
-    def __init__(self) -> None:
+    ``stats()``: batches, rows and bytes written, and seconds spent: ``hook_s`` in the forward's
+    thread (the pinned buffers, the copies' launch, the hand-over), of which ``put_blocked_s``
+    waiting for room in the queue (the writes fell behind); ``copy_wait_s`` writers waiting for the
+    device-to-host copies; ``write_s`` writing files (summed over the writers).
+    """
+
+    def __init__(self, writers: int = DEFAULT_WRITERS) -> None:
+        self.writers = max(1, writers)
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_PENDING_BATCHES)
-        self._thread = threading.Thread(target=self._run, name="eagle3-ray-capture-writer", daemon=True)
-        self._thread.start()
+        self._done = threading.Condition()
+        self._submitted = self._finished = 0
+        self._stats = {"writers": self.writers, "batches": 0, "rows": 0, "bytes": 0, "hook_s": 0.0,
+                       "put_blocked_s": 0.0, "copy_wait_s": 0.0, "write_s": 0.0}
+        for i in range(self.writers):
+            threading.Thread(target=self._run, name=f"eagle3-ray-capture-writer-{i}", daemon=True).start()
 
-    def put(self, directory: Path, reqs: list, host_aux: torch.Tensor, host_last: torch.Tensor, ready: Any) -> None:
+    def put(self, directory: Path, reqs: list, host_aux: torch.Tensor, host_last: torch.Tensor, ready: Any,
+            t0: float | None = None) -> None:
+        with self._done:
+            self._submitted += 1
+        t = time.perf_counter()
         self._queue.put((directory, reqs, host_aux, host_last, ready))
+        now = time.perf_counter()
+        with self._done:
+            self._stats["put_blocked_s"] += now - t
+            self._stats["hook_s"] += now - (t if t0 is None else t0)
 
     def flush(self, timeout: float | None = None) -> None:
-        done = threading.Event()
-        self._queue.put(done)
-        if not done.wait(timeout):
-            raise TimeoutError(f"the capture writer did not finish within {timeout} s")
+        with self._done:
+            target = self._submitted
+            if not self._done.wait_for(lambda: self._finished >= target, timeout):
+                raise TimeoutError(f"the capture writer did not finish within {timeout} s")
+
+    def stats(self) -> dict[str, float]:
+        with self._done:
+            return dict(self._stats)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            directory, reqs, host_aux, host_last, ready = item
+            directory, reqs, host_aux, host_last, ready = self._queue.get()
+            t0 = time.perf_counter()
             try:
                 if ready is not None:
                     ready.synchronize()
+                t1 = time.perf_counter()
                 start = 0
                 for rid, n, cached in reqs:
                     _write_one(capture_path(directory, rid), host_aux[start:start + n], host_last[start:start + n], cached)
                     start += n
+                t2 = time.perf_counter()
+                with self._done:
+                    st = self._stats
+                    st["batches"] += 1
+                    st["rows"] += start
+                    st["bytes"] += start * (host_aux.shape[-1] * host_aux.element_size()
+                                            + host_last.shape[-1] * host_last.element_size())
+                    st["copy_wait_s"] += t1 - t0
+                    st["write_s"] += t2 - t1
+                    snapshot = dict(st)
+                _write_stats(directory / STATS_FILE, snapshot)
             except Exception:  # the engine reports the missing files; the cause goes to SGLang's log
                 logger.exception("eagle3_ray capture writer failed for requests %s", [r for r, _, _ in reqs])
+            finally:
+                del host_aux, host_last  # the pinned blocks go back to torch's cache now, not at the next batch
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
+
+
+def _write_stats(path: Path, stats: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, path)
+
+
+def read_writer_stats(directory: str | Path) -> dict | None:
+    """The `_Writer.stats` a scheduler process last wrote into the capture ``directory`` (None before
+    its first batch)."""
+    try:
+        return json.loads((Path(directory) / STATS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 _WRITER: _Writer | None = None
@@ -231,7 +291,7 @@ def _writer() -> _Writer:
     global _WRITER
     with _WRITER_LOCK:
         if _WRITER is None:
-            _WRITER = _Writer()
+            _WRITER = _Writer(int(os.environ.get(WRITERS_ENV, DEFAULT_WRITERS)))
         return _WRITER
 
 

@@ -31,7 +31,10 @@ import sglang.srt.server_args as server_args
 from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
 from eagle3_ray.engines import sglang as sg  # noqa: E402
 from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
-from eagle3_ray.engines.sglang_hooks import AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, capture_path, flush  # noqa: E402
+import eagle3_ray.engines.sglang_hooks as hooks_module  # noqa: E402
+from eagle3_ray.engines.sglang_hooks import (  # noqa: E402
+    AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, STATS_FILE, capture_path, flush, read_writer_stats,
+)
 from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
 
 from conftest import source_root  # noqa: E402
@@ -329,6 +332,8 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     aux_arg = aux if packed else list(aux.split(64, dim=-1))  # DeepSeek packs, Llama passes a list
     rids = ["req-a", "req-b"]
     batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(s) for s in seqs])
+    before = hooks_module._WRITER.stats() if hooks_module._WRITER else {"rows": 0, "bytes": 0}
+    rows_before, bytes_before = before["rows"], before["bytes"]
     logits = model(torch.cat(seqs), last, batch, aux_arg)
     assert logits.shape == (aux.shape[0], 512)  # the hook leaves the output alone
     flush(timeout=30)  # the hook's writer thread writes the files
@@ -337,14 +342,22 @@ def test_sglang_registers_our_hook_which_writes_each_request(
         cap = sg.read_capture(capture_path(tmp_path, rid), len(seq), hidden_size=64)
         assert torch.equal(cap.aux_hidden, want_aux) and torch.equal(cap.last_hidden, want_last)
         assert not capture_path(tmp_path, rid).exists()  # read_capture deletes
-    assert not list(tmp_path.iterdir())  # no temporary files left behind
+    assert _left(tmp_path) == []  # no temporary files left behind
+    stats = read_writer_stats(tmp_path)  # the process's writer's account (since its start), next to the captures
+    assert stats["rows"] - rows_before == aux.shape[0]
+    assert stats["bytes"] - bytes_before == aux.numel() * aux.element_size() + last.numel() * last.element_size()
 
     decode = _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1])
     verify = _forward_batch(forward_batch_cls, forward_mode.TARGET_VERIFY, rids, [1, 1])
     model(torch.cat(seqs)[:2], last[:2], decode, aux_arg)
     model(torch.cat(seqs)[:2], last[:2], verify, aux_arg)
     flush(timeout=30)
-    assert not list(tmp_path.iterdir())
+    assert _left(tmp_path) == []
+
+
+def _left(directory: Path) -> list[Path]:
+    """What the hook left in a capture directory besides its writer's stats file."""
+    return [p for p in directory.iterdir() if p.name != STATS_FILE]
 
 
 class FakeSGLangLlamaWithLayers(torch.nn.Module):
@@ -415,7 +428,7 @@ def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_b
         assert torch.equal(cap.last_hidden, o.last_hidden_state[0])
     model(torch.cat(seqs)[:2], None, _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1]))
     flush(timeout=30)
-    assert not list(tmp_path.iterdir())  # decode steps write nothing
+    assert _left(tmp_path) == []  # decode steps write nothing
 
 
 def _layer_calls(fn: ast.FunctionDef) -> list[ast.Call]:
@@ -776,3 +789,25 @@ def test_hook_files_are_safetensors_both_ways(tmp_path, dtype):
     cap = sg.read_capture(tmp_path / "b.safetensors", 5, hidden_size=4)
     assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
     assert not list(tmp_path.glob("b*"))
+
+
+def test_several_writer_threads_write_every_request_and_flush_waits_for_all(tmp_path):
+    """_Writer(3): batches handed over back to back are written by whichever thread is free; flush
+    returns only when all of them are on disk; the stats add up over the threads."""
+    from eagle3_ray.engines.sglang_hooks import _Writer
+
+    w = _Writer(3)
+    want = {}
+    for b in range(7):
+        n = [3, 5]
+        aux, last = torch.randn(sum(n), 12), torch.randn(sum(n), 4)
+        reqs = [(f"b{b}-{i}", k, 0) for i, k in enumerate(n)]
+        w.put(tmp_path, reqs, aux, last, None)
+        want[f"b{b}-0"], want[f"b{b}-1"] = (aux[:3], last[:3]), (aux[3:], last[3:])
+    w.flush(timeout=30)
+    for rid, (a, h) in want.items():
+        cap = sg.read_capture(capture_path(tmp_path, rid), a.shape[0], hidden_size=4)
+        assert torch.equal(cap.aux_hidden, a) and torch.equal(cap.last_hidden, h)
+    st = w.stats()
+    assert st["writers"] == 3 and st["batches"] == 7 and st["rows"] == 56 and st["bytes"] == 56 * 16 * 4
+    assert _left(tmp_path) == []
