@@ -86,8 +86,8 @@ class _TritonSoftCE(torch.autograd.Function):
         p_sum = torch.empty(rows, dtype=torch.float32, device=logits.device)
         pred = torch.empty(b, t, dtype=torch.int32, device=logits.device)
         if rows:
-            _kernels().forward[(rows,)](logits, target_p, ce, lse, p_sum, pred, t, v, shift,
-                                        BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+            _kernels().forward[(rows,)](logits, target_p, ce, lse, p_sum, pred, t, shift,
+                                        V=v, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         ctx.save_for_backward(logits, target_p, lse, p_sum)
         ctx.shift = shift
         pred = pred.long()
@@ -101,8 +101,8 @@ class _TritonSoftCE(torch.autograd.Function):
         grad = torch.empty_like(logits)
         if b * t:
             grad_ce = grad_ce.float().contiguous()
-            _kernels().backward[(b * t,)](logits, target_p, lse, p_sum, grad_ce, grad, t, v, ctx.shift,
-                                          BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+            _kernels().backward[(b * t,)](logits, target_p, lse, p_sum, grad_ce, grad, t, ctx.shift,
+                                          V=v, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return grad, None, None
 
 
@@ -113,7 +113,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def forward(z_ptr, p_ptr, ce_ptr, lse_ptr, psum_ptr, pred_ptr, T, V, shift, BLOCK: tl.constexpr):
+    def forward(z_ptr, p_ptr, ce_ptr, lse_ptr, psum_ptr, pred_ptr, T, shift, V: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p_cols = tl.where((row % T) + shift < T, V, 0)  # targets past the batch row's end read as 0
         z_row = z_ptr + row * V
@@ -146,7 +146,7 @@ def _kernels():
         tl.store(pred_ptr + row, best_at)
 
     @triton.jit
-    def backward(z_ptr, p_ptr, lse_ptr, psum_ptr, dce_ptr, dz_ptr, T, V, shift, BLOCK: tl.constexpr):
+    def backward(z_ptr, p_ptr, lse_ptr, psum_ptr, dce_ptr, dz_ptr, T, shift, V: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p_cols = tl.where((row % T) + shift < T, V, 0)
         z_row = z_ptr + row * V
