@@ -12,7 +12,8 @@
 #   2. Ray Train + DeepSpeed loop (benchmarks/train_loop.py, synthetic store, one worker), LOOP_RUNS
 #      (default 8b:1,kimi:preset,kimi:1,8b:2: ZeRO-1 and the Kimi preset's stage at both shapes, in
 #      that order; a run that does not fit in the budget is reported as skipped, one that runs out of
-#      memory with oom: true)
+#      memory with oom: true; an entry SHAPE:STAGE+KEY=VALUE adds config overrides to that run, e.g.
+#      8b:1+train.loss_kernel=torch, reported under train_mfu_loop_8b_zero1+train.loss_kernel=torch)
 #   3. if time is left (rarely in the same call: a Ray Train run's start-up takes about a minute):
 #      DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and Kimi ZeRO-2,
 #      with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray

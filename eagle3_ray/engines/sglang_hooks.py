@@ -291,8 +291,21 @@ def _writer() -> _Writer:
     global _WRITER
     with _WRITER_LOCK:
         if _WRITER is None:
-            _WRITER = _Writer(int(os.environ.get(WRITERS_ENV, DEFAULT_WRITERS)))
+            _WRITER = _Writer(_writer_count())
         return _WRITER
+
+
+def _writer_count() -> int:
+    """EAGLE3_RAY_CAPTURE_WRITERS, or the default where it is unset or not a positive integer (said
+    in SGLang's log: this runs inside its forward, where raising would fail the batch)."""
+    value = os.environ.get(WRITERS_ENV, "").strip()
+    if not value:
+        return DEFAULT_WRITERS
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    logger.error("%s=%r is not a positive integer; using %d capture writer thread(s)", WRITERS_ENV, value,
+                 DEFAULT_WRITERS)
+    return DEFAULT_WRITERS
 
 
 def _raw(t: torch.Tensor) -> memoryview:

@@ -811,3 +811,16 @@ def test_several_writer_threads_write_every_request_and_flush_waits_for_all(tmp_
     st = w.stats()
     assert st["writers"] == 3 and st["batches"] == 7 and st["rows"] == 56 and st["bytes"] == 56 * 16 * 4
     assert _left(tmp_path) == []
+
+
+def test_the_writer_count_comes_from_the_environment_and_a_bad_value_falls_back(monkeypatch, caplog):
+    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, WRITERS_ENV, _writer_count
+
+    monkeypatch.setenv(WRITERS_ENV, "3")
+    assert _writer_count() == 3
+    monkeypatch.delenv(WRITERS_ENV)
+    assert _writer_count() == DEFAULT_WRITERS
+    monkeypatch.setenv(WRITERS_ENV, "two")
+    with caplog.at_level("ERROR"):
+        assert _writer_count() == DEFAULT_WRITERS
+    assert "EAGLE3_RAY_CAPTURE_WRITERS='two' is not a positive integer" in caplog.text
