@@ -12,7 +12,8 @@ sglang_kill_every_sample_once.
                  .. --max-callers concurrent callers (2: CaptureWriteUDF's default on a GPU actor), once per
                  --writers count (the hook's writer threads), with the writers' account of each measurement
                  (seconds per batch: in the forward's thread, blocked on a full queue, waiting for the copy,
-                 writing).
+                 writing) and the callers' (seconds per call: waiting for the engine's lock, in
+                 sglang.Engine.generate, collecting the files, and the engine idle between calls).
   d  deepseek    a 6-layer DeepSeek-V3/Kimi-shaped target (MLA + MoE, seeded random bf16 weights saved
                  once): SGLangEngine capture (0.5.17: layer hooks) vs HFEngine on the same ids: relative
                  error per aux layer and last_hidden, and which HF hidden_states index each captured
@@ -229,7 +230,12 @@ def part_a(a) -> dict:
             for n in range(a.min_callers, a.max_callers + 1):
                 key = f"capture_{n}_caller{'s' if n > 1 else ''}{sfx}"
                 before = read_writer_stats(engine._dir) or {}
+                calls_before = dict(engine.capture_seconds)
                 res[key] = {**_rate(capture, batches, threads=n), "start_s": start}
+                # where the capture calls spent their time: seconds per call (SGLangEngine.capture_seconds)
+                calls = {k: engine.capture_seconds[k] - calls_before[k] for k in calls_before}
+                res[key]["engine"] = {k: v / max(calls["calls"], 1) for k, v in calls.items() if k != "calls"} | {
+                    "calls": calls["calls"]}
                 # where the hook's time went over this measurement (warm-up batch included): seconds per batch
                 after = read_writer_stats(engine._dir) or {}
                 done = after.get("batches", 0) - before.get("batches", 0)

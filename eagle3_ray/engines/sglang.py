@@ -382,6 +382,13 @@ class SGLangEngine:
         # (CaptureWriteUDF's concurrent batches) still overlap reading one batch's features with
         # the next batch's forward, since reading happens outside the lock.
         self._lock = threading.Lock()
+        # Where capture calls spend their time, summed since the engine was built (seconds): waiting
+        # for the lock, inside sglang.Engine.generate, collecting the hook's files; and `engine_idle`,
+        # the time between one generate call's end and the next one's start, when SGLang had no capture
+        # request from us. Read by benchmarks/device/sglang_h200_2.py.
+        self.capture_seconds = {"calls": 0, "lock_wait": 0.0, "generate": 0.0, "collect": 0.0, "engine_idle": 0.0}
+        self._last_generate_end: float | None = None
+        self._stats_lock = threading.Lock()
         self._restart_lock = threading.Lock()
         self._caller = ThreadPoolExecutor(1, thread_name_prefix="eagle3-ray-sglang")
         self._start()
@@ -477,12 +484,25 @@ class SGLangEngine:
         def attempt(generation: int) -> list[Capture]:
             rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]  # fresh ids on a retry
             params = [dict(CAPTURE_SAMPLING) for _ in seqs]
+            asked = time.perf_counter()
             with self._lock:
                 if generation != self._generation:
                     raise EngineDied("the engine was restarted")
                 directory = self._dir
+                began = time.perf_counter()
                 outs = self._call(lambda e: e.generate(input_ids=seqs, sampling_params=params, rid=rids))
-            return [self._collect(directory, out["meta_info"]["id"], len(s), generation) for out, s in zip(outs, seqs)]
+                ended = time.perf_counter()
+                idle = began - self._last_generate_end if self._last_generate_end is not None else 0.0
+                self._last_generate_end = ended
+            caps = [self._collect(directory, out["meta_info"]["id"], len(s), generation) for out, s in zip(outs, seqs)]
+            with self._stats_lock:
+                acc = self.capture_seconds
+                acc["calls"] += 1
+                acc["lock_wait"] += began - asked
+                acc["generate"] += ended - began
+                acc["collect"] += time.perf_counter() - ended
+                acc["engine_idle"] += idle
+            return caps
 
         return self._retrying(attempt)
 

@@ -207,8 +207,24 @@ def test_scheduler_sigkill_mid_capture_restarts_and_loses_nothing(target, monkey
         for seq, cap in zip(batch, caps):
             aux, last = _expected(seq, [2, 3, 4])
             assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
+    assert engine.capture_seconds["calls"] == len(batches)  # the call that died is retried, counted once
     engine.close()
     assert FakeSGLangEngine.started[1].shut and not list(Path(target.sglang.capture_dir).iterdir())
+
+
+def test_capture_calls_account_for_their_time(target):
+    """capture_seconds: the scheduler's 0.2 s per batch shows inside generate; one caller at a time
+    never waits for the lock; the engine idles between calls while the caller collects."""
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=lambda **kw: FakeSGLangEngine(delay=0.2, **kw))
+    try:
+        for b in range(3):
+            engine.capture([[b + 3] * 5, [b + 4] * 7])
+        acc = engine.capture_seconds
+        assert acc["calls"] == 3
+        assert acc["generate"] >= 0.6 and acc["lock_wait"] < 0.1
+        assert acc["collect"] > 0 and acc["engine_idle"] > 0  # two gaps, each at least one collect
+    finally:
+        engine.close()
 
 
 def test_engine_gives_up_after_max_restarts(target, monkeypatch):
