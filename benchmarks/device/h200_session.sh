@@ -24,7 +24,11 @@ case "${1:-env}" in
           # background, so that the first process importing Ray does not compile it inside a timed run.
           (python3 -m compileall -q -j 8 /tmp/base/ray /tmp/base/deepspeed >/dev/null 2>&1 &); } ;;
   gg1) cp .gg/part-aa /tmp/gg-aa ;;
-  gg2) [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/gg-aa .gg/part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  gg2) if [ ! -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+         # a machine that did not run gg1 (a new one after a refused call) would get half a GGUF
+         [ -f /tmp/gg-aa ] || { echo "[session] /tmp/gg-aa missing: this machine did not run gg1; run gg1 again" >&2; return 2 2>/dev/null || exit 2; }
+         cat /tmp/gg-aa .gg/part-ab > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf.tmp && mv /tmp/SmolLM2-135M-Instruct.Q4_1.gguf.tmp /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+       fi
        mkdir -p /tmp/gq && cp -r .gq/. /tmp/gq/ ;;
   gen) mkdir -p /tmp/gen && cp .gen/generate.tgz.part-* /tmp/gen/ ;;  # a product run's returned conversations
   sgl1) cp .sgl/part-aa /tmp/sgl-aa ;;
