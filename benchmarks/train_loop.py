@@ -190,7 +190,8 @@ class GpuMemoryPeak:
         return (self.peak - self.base) / 1024
 
 
-def train_run(a, shape: str, stage: str, overrides: tuple[str, ...], root: Path, inputs: dict, cap: float) -> dict:
+def train_run(a, index: int, shape: str, stage: str, overrides: tuple[str, ...], root: Path, inputs: dict,
+              cap: float) -> dict:
     from eagle3_ray.engines.heads import HEADS_FILE
     from eagle3_ray.features import open_store
     from eagle3_ray.train.packing import plan_epoch
@@ -199,13 +200,13 @@ def train_run(a, shape: str, stage: str, overrides: tuple[str, ...], root: Path,
     zero = cfg0.train.zero_stage if stage == "preset" else int(stage)
     per_epoch = len(plan_epoch(open_store(store).lengths, a.seq, 0, 0))
     label = f"{shape}_zero{zero}" + "".join(f"+{o}" for o in overrides)
-    out = root / f"train_{len(list(root.glob('train_*')))}"
+    out = root / f"train_{index}"
     out.mkdir(parents=True, exist_ok=True)
     os.link(heads, out / HEADS_FILE)
     cfg = make_cfg(a, shape, root, [
         f"train.zero_stage={zero}", f"train.max_steps={a.steps}", f"train.epochs={math.ceil(1.2 * a.steps / per_epoch) + 1}",
         f"train.log_every={a.log_every}", f"train.checkpoint_every={a.steps}", "train.val_share=0",
-        f"name=loop-{shape}-z{zero}-{out.name}", *overrides,
+        f"name=loop-{index}-{shape}-z{zero}", *overrides,
     ])
     metrics = out / "metrics.jsonl"
 
@@ -271,14 +272,14 @@ def main(argv=None) -> int:
             inputs[shape] = (cfg, info, write_store(cfg, info, root / shape, a.samples, a.seq, a.draft_vocab))
             print(f"[loop] {shape}: store, vocab map and heads written in {time.monotonic() - t:.1f}s", flush=True)
         init_ray(make_cfg(a, a.run_list[0][0], root / a.run_list[0][0], []).ray)
-        for shape, stage, overrides in a.run_list:
+        for index, (shape, stage, overrides) in enumerate(a.run_list):
             left = a.budget_s - (time.monotonic() - t0)
             run = {"shape": shape, "zero_stage": stage, "overrides": list(overrides)}
             if left < a.min_run_s:
                 report["runs"].append(run | {"status": "skipped (budget)"})
                 continue
             try:
-                report["runs"].append(train_run(a, shape, stage, overrides, root / shape, inputs,
+                report["runs"].append(train_run(a, index, shape, stage, overrides, root / shape, inputs,
                                                 min(a.run_cap_s, left)))
             except Exception as e:  # report it; the next run may still work
                 report["runs"].append(run | {"status": "error", "error": f"{type(e).__name__}: {e}"})

@@ -8,13 +8,13 @@ TTT step i needs, per position t (s = i + 1, the step's shift):
 
 Two implementations of the same function (``kernel``):
 
-- ``"torch"``: the plain expression, any device. Autograd keeps the fp32 log-probabilities and the
-  shifted targets ([B, T, V] fp32 each) and the backward makes several more passes over them.
+- ``"torch"``: the plain expression, any device. Autograd keeps the fp32 log-probabilities
+  ([B, T, V]) and the backward makes several more passes over them.
 - ``"triton"`` (CUDA): one Triton kernel per direction, one program per row. The forward reads the
   logits and the shifted targets once (an online log-sum-exp over blocks of the vocabulary) and
   writes ce, the row's log-sum-exp, sum(p) and the argmax; the backward reads them again and writes
-  ``dz = (softmax(z) * sum(p) - p) * dce`` in the logits' dtype. No [B, T, V] temporaries, no
-  compiler: a launch per direction, so nothing is added to the host's time per step.
+  ``dz = (softmax(z) * sum(p) - p) * dce`` in the logits' dtype. No [B, T, V] temporaries and no
+  compiler at run time (no guards to check per call): a launch per direction.
 
 `resolve_loss_kernel` turns ``train.loss_kernel`` (auto, triton, torch) into one of them.
 """
