@@ -35,6 +35,12 @@ class SGLangConfig(_Section):
         default_factory=dict,
         description="More sglang.Engine kwargs; settings that break capture are refused.",
     )
+    max_concurrent_calls: int = Field(
+        0, ge=0, description="Calls one engine has inside SGLang at once (capture batches, generate batches). "
+        "0: as many as its callers' threads (extract.concurrent_batches), so SGLang batches across calls "
+        "and never waits for the next one; 1: one at a time. A capture call's features sit in capture_dir "
+        "until read.",
+    )
 
 
 class TargetConfig(_Section):

@@ -54,8 +54,8 @@ STAGE_DEPS = {
 }
 
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
-# them (or their arrival in a new version) does not redo finished stages.
-UNHASHED = {"train": ("val_cache_bytes",)}
+# them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
+UNHASHED = {"train": ("val_cache_bytes",), "target": ("sglang.max_concurrent_calls",)}
 
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
@@ -66,7 +66,12 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
         full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
     for section, keys in UNHASHED.items():
-        full[section] = {k: v for k, v in full[section].items() if k not in keys}
+        for key in keys:
+            *inner, last = key.split(".")
+            d = full[section]
+            for k in inner:
+                d = d[k]
+            d.pop(last, None)
     part = {k: full[k] for k in STAGE_DEPS[stage]}
     part["_data"] = data
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]

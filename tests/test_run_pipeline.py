@@ -95,6 +95,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
         del full["generate"][k]
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
+    del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
                              .encode()).hexdigest()[:16]
@@ -107,6 +108,8 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.val_cache_bytes=0"]), "bench", "d") == \
+        _stage_hash(cfg, "bench", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
         _stage_hash(cfg, "generate", "d")  # the target's own requests: other data

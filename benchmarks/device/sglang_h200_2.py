@@ -12,8 +12,11 @@ sglang_kill_every_sample_once.
                  .. --max-callers concurrent callers (2: CaptureWriteUDF's default on a GPU actor), once per
                  --writers count (the hook's writer threads), with the writers' account of each measurement
                  (seconds per batch: in the forward's thread, blocked on a full queue, waiting for the copy,
-                 writing) and the callers' (seconds per call: waiting for the engine's lock, in
-                 sglang.Engine.generate, collecting the files, and the engine idle between calls).
+                 writing) and the callers' (seconds per call: waiting for a call slot, inside SGLang,
+                 collecting the files, and the engine idle with no call of ours inside), once per
+                 --call-limits value (target.sglang.max_concurrent_calls). SGLang's own prefill is
+                 timed two ways: one call per batch, and every timed prompt in one call;
+                 sglang_extract_ratio is capture at the product's defaults over the better of the two.
   d  deepseek    a 6-layer DeepSeek-V3/Kimi-shaped target (MLA + MoE, seeded random bf16 weights saved
                  once): SGLangEngine capture (0.5.17: layer hooks) vs HFEngine on the same ids: relative
                  error per aux layer and last_hidden, and which HF hidden_states index each captured
@@ -43,8 +46,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -171,7 +176,7 @@ def part_a(a) -> dict:
     import torch
 
     from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
-    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, WRITERS_ENV, read_writer_stats
+    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, FACTORY_PATH, WRITERS_ENV, read_writer_stats
     from eagle3_ray.features.record import bf16_to_uint16
 
     shape = WORK / "llama8b-shape"
@@ -189,34 +194,60 @@ def part_a(a) -> dict:
                  "seq": seq, "per_batch": per_batch, "batches": a.batches}
     factory = fake_factory() if a.cpu else None
 
+    def prefill_rates(kw: dict) -> tuple[dict, dict]:
+        """sglang.Engine(**kw) on the batches, no SGLangEngine: one call per batch, one at a time (as
+        before 2026-12-05), and every timed prompt in one call (SGLang's best for these prompts: its
+        scheduler fills every forward and never waits for a call)."""
+        t = time.perf_counter()
+        if a.cpu:
+            engine = factory(**{"forward_hooks": [], **kw})
+        else:
+            import sglang
+
+            engine = sglang.Engine(**kw)
+        start = time.perf_counter() - t
+
+        def generate(b):
+            return engine.generate(input_ids=b, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(b),
+                                   rid=[f"p{time.monotonic_ns()}-{i}" for i in range(len(b))])
+
+        try:
+            per_call = _rate(generate, batches)
+            one_call = _rate(generate, [batches[0], [s for b in batches[1:] for s in b]])
+        finally:
+            engine.shutdown()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return {**per_call, "start_s": start}, one_call
+
     # SGLang's own prefill: the capture settings (radix cache off, chunked prefill off, graphs off), no hook.
     kw = {**engine_kwargs(cfg, "generate"), "disable_radix_cache": True, "chunked_prefill_size": -1,
           "disable_cuda_graph": True}
-    t = time.perf_counter()
-    if a.cpu:
-        plain = factory(**kw, forward_hooks=[])
-    else:
-        import sglang
-
-        plain = sglang.Engine(**kw)
-    start = time.perf_counter() - t
-    try:
-        prefill = _rate(lambda b: plain.generate(input_ids=b, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(b),
-                                                 rid=[f"p{time.monotonic_ns()}-{i}" for i in range(len(b))]), batches)
-    finally:
-        plain.shutdown()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    res["prefill"] = {**prefill, "start_s": start}
-    log(f"prefill: {res['prefill']}")
+    res["prefill"], res["prefill_one_call"] = prefill_rates(kw)
+    prefill_all = res["prefill_one_call"]
+    log(f"prefill: {res['prefill']}; all prompts in one call: {prefill_all}")
+    # The same with the capture hook cut short (--probes; hooks_module.PROBES), files in a scratch dir:
+    # where between SGLang's forward and the files the capture's cost lies.
+    for probe in [p for p in a.probes.split(",") if p]:
+        scratch = Path(tempfile.mkdtemp(prefix="probe_", dir=cfg.sglang.capture_dir))
+        kw = engine_kwargs(cfg, "capture", capture_dir=scratch)
+        for hook in kw["forward_hooks"]:
+            if hook["hook_factory"] == FACTORY_PATH:
+                hook["config"] = {**hook["config"], "probe": probe}
+        res[f"prefill_probe_{probe}"], res[f"prefill_one_call_probe_{probe}"] = prefill_rates(kw)
+        shutil.rmtree(scratch, ignore_errors=True)
+        log(f"prefill, hook probe {probe}: {res[f'prefill_probe_{probe}']}; one call: {res[f'prefill_one_call_probe_{probe}']}")
 
     p = res["prefill"]["tokens_per_s"]
+    best = max(p, prefill_all["tokens_per_s"])
     # One capture engine per writer-thread count of the hook (EAGLE3_RAY_CAPTURE_WRITERS, inherited by
-    # SGLang's scheduler processes); keys of the hook's default count carry no suffix.
-    for writers in [int(w) for w in a.writers.split(",")]:
+    # SGLang's scheduler processes) and per target.sglang.max_concurrent_calls; keys of the defaults
+    # (1 writer, no call bound) carry no suffix.
+    for writers, limit in [(int(w), int(c)) for w in a.writers.split(",") for c in a.call_limits.split(",")]:
         os.environ[WRITERS_ENV] = str(writers)
-        sfx = "" if writers == DEFAULT_WRITERS else f"_{writers}_writers"
+        sfx = ("" if writers == DEFAULT_WRITERS else f"_{writers}_writers") + ("" if limit == 0 else f"_{limit}_in_flight")
         t = time.perf_counter()
-        engine = SGLangEngine(cfg, mode="capture", engine_factory=factory)
+        engine = SGLangEngine(cfg.model_copy(update={"sglang": cfg.sglang.model_copy(update={"max_concurrent_calls": limit})}),
+                              mode="capture", engine_factory=factory)
         start = time.perf_counter() - t
 
         def capture(b):
@@ -234,8 +265,9 @@ def part_a(a) -> dict:
                 res[key] = {**_rate(capture, batches, threads=n), "start_s": start}
                 # where the capture calls spent their time: seconds per call (SGLangEngine.capture_seconds)
                 calls = {k: engine.capture_seconds[k] - calls_before[k] for k in calls_before}
-                res[key]["engine"] = {k: v / max(calls["calls"], 1) for k, v in calls.items() if k != "calls"} | {
-                    "calls": calls["calls"]}
+                res[key]["engine"] = {k: v / max(calls["calls"], 1) for k, v in calls.items()
+                                      if k not in ("calls", "max_in_flight")} | {
+                    "calls": calls["calls"], "max_in_flight": engine.capture_seconds["max_in_flight"]}
                 # where the hook's time went over this measurement (warm-up batch included): seconds per batch
                 after = read_writer_stats(engine._dir) or {}
                 done = after.get("batches", 0) - before.get("batches", 0)
@@ -243,14 +275,16 @@ def part_a(a) -> dict:
                                       ("hook_s", "put_blocked_s", "copy_wait_s", "write_s")} | {
                                           "batches": done, "writers": after.get("writers")}
                 res[f"ratio_{n}_caller{'s' if n > 1 else ''}{sfx}"] = res[key]["tokens_per_s"] / p
+                res[f"ratio_best_{n}_caller{'s' if n > 1 else ''}{sfx}"] = res[key]["tokens_per_s"] / best
                 log(f"capture, {n} callers, {writers} writer threads: {res[key]}")
             res[f"restarts{sfx}"] = engine.restarts
         finally:
             engine.close()
     os.environ.pop(WRITERS_ENV, None)
     # The product's capture runs extract.concurrent_batches calls at once (2 on a GPU actor unless set):
-    # the ratio reported is the one at the product's default; the others say what raising it buys.
-    res["sglang_extract_ratio"] = res.get("ratio_2_callers")
+    # the ratio reported is the one at the product's defaults, against the better of SGLang's two prefill
+    # figures; the others say what the settings buy.
+    res["sglang_extract_ratio"] = res.get("ratio_best_2_callers")
     return res
 
 
@@ -547,7 +581,7 @@ def driver(a) -> None:
     base = [sys.executable, "-u", __file__, "--out", str(out), "--cpu"] if a.cpu else \
         [sys.executable, "-u", __file__, "--out", str(out)]
     passthrough = ["--seq", str(a.seq), "--per-batch", str(a.per_batch), "--batches", str(a.batches),
-                   "--min-callers", str(a.min_callers), "--max-callers", str(a.max_callers), "--writers", a.writers, "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
+                   "--min-callers", str(a.min_callers), "--max-callers", str(a.max_callers), "--writers", a.writers, "--call-limits", a.call_limits, "--probes", a.probes, "--prompts", str(a.prompts), "--gen-batch", str(a.gen_batch), "--new-tokens", str(a.new_tokens),
                    "--kill-variants", str(a.kill_variants), "--kill-after-shards", str(a.kill_after_shards)]
     bg_log = open(out / "sglang2_prep.log", "w")
     bg = subprocess.Popen([*base, *passthrough, "--part", "prep"], stdout=bg_log, stderr=subprocess.STDOUT)
@@ -603,6 +637,10 @@ def main() -> None:
     p.add_argument("--min-callers", type=int, default=1, help="part a: capture with this many .. --max-callers")
     p.add_argument("--max-callers", type=int, default=2, help="part a: capture with 1 .. this many concurrent callers")
     p.add_argument("--writers", default="1", help="part a: the hook's writer threads, one capture engine per count")
+    p.add_argument("--probes", default="", help="part a: also time SGLang's prefill with the capture hook cut "
+                   "short at each of these (rows, copy: eagle3_ray.engines.sglang_hooks.PROBES)")
+    p.add_argument("--call-limits", default="0", help="part a: target.sglang.max_concurrent_calls, one capture "
+                   "engine per value (0: no bound, the product's default; 1: one call in SGLang at a time)")
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

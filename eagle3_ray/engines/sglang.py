@@ -13,6 +13,7 @@ without it. Versions differ (0.5.17 and 0.5.23 are tested): the kwargs follow th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -22,11 +23,10 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Coroutine, Literal, Sequence
 
 import torch
 
@@ -378,19 +378,28 @@ class SGLangEngine:
         self._engine: Any = None
         self._procs: set[int] = set()
         self._generation = 0
-        # sglang.Engine.generate runs its own event loop: one call at a time. Callers in threads
-        # (CaptureWriteUDF's concurrent batches) still overlap reading one batch's features with
-        # the next batch's forward, since reading happens outside the lock.
-        self._lock = threading.Lock()
+        # sglang.Engine answers through its asyncio loop (``engine.loop``). A thread of ours runs that
+        # loop for the engine's life, and every call is a coroutine (``Engine.async_generate``) handed
+        # to it, so calls from several threads (CaptureWriteUDF's concurrent batches, the generate
+        # stage's) wait in SGLang's queue together: the scheduler batches across them and has the next
+        # requests when a forward ends. (``Engine.generate`` blocks on that loop with
+        # ``run_until_complete``: one call at a time, and SGLang idles from one call's answer to the
+        # next call's requests.) ``target.sglang.max_concurrent_calls`` bounds the calls in flight.
+        self._loop: Any = None
+        self._loop_thread: threading.Thread | None = None
+        limit = target_cfg.sglang.max_concurrent_calls
+        self._slots = threading.BoundedSemaphore(limit) if limit else None
         # Where capture calls spend their time, summed since the engine was built (seconds): waiting
-        # for the lock, inside sglang.Engine.generate, collecting the hook's files; and `engine_idle`,
-        # the time between one generate call's end and the next one's start, when SGLang had no capture
-        # request from us. Read by benchmarks/device/sglang_h200_2.py.
-        self.capture_seconds = {"calls": 0, "lock_wait": 0.0, "generate": 0.0, "collect": 0.0, "engine_idle": 0.0}
-        self._last_generate_end: float | None = None
+        # for a call slot (max_concurrent_calls), inside SGLang (submitted until answered), collecting
+        # the hook's files; and `engine_idle`, the time no capture call of ours was inside SGLang.
+        # `max_in_flight`: the most capture calls inside SGLang at once. Read by
+        # benchmarks/device/sglang_h200_2.py.
+        self.capture_seconds = {"calls": 0, "slot_wait": 0.0, "generate": 0.0, "collect": 0.0, "engine_idle": 0.0,
+                                "max_in_flight": 0}
+        self._in_flight = 0
+        self._idle_since: float | None = None
         self._stats_lock = threading.Lock()
         self._restart_lock = threading.Lock()
-        self._caller = ThreadPoolExecutor(1, thread_name_prefix="eagle3-ray-sglang")
         self._start()
 
     def _kwargs(self) -> dict[str, Any]:
@@ -408,15 +417,29 @@ class SGLangEngine:
         watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()
+        loop = getattr(self._engine, "loop", None)
+        if not isinstance(loop, asyncio.AbstractEventLoop) or not hasattr(self._engine, "async_generate"):
+            self._stop_engine()
+            raise EngineError(f"this sglang.Engine has no asyncio loop (engine.loop) or no async_generate: {INSTALL_HINT}")
+        self._loop = loop
+        self._loop_thread = threading.Thread(target=_run_loop, args=(loop,), name="eagle3-ray-sglang-loop", daemon=True)
+        self._loop_thread.start()
         logger.info("SGLang engine up (mode %s, processes %s)", self.mode, sorted(self._procs))
 
     def _dead(self) -> list[int]:
         return sorted(self._procs - live_children())
 
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(sglang_engine)`` on the caller thread, watching the engine's processes meanwhile."""
-        engine, generation = self._engine, self._generation
-        future = self._caller.submit(fn, engine)
+    def _current(self, generation: int) -> tuple[Any, Any, Path | None]:
+        """The engine, its loop and its capture directory, if ``generation`` is still the live engine."""
+        with self._restart_lock:  # not halfway through a restart
+            if generation != self._generation or self._engine is None:
+                raise EngineDied("the engine was restarted")
+            return self._engine, self._loop, self._dir
+
+    def _call(self, generation: int, fn: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+        """Await ``fn(sglang_engine)`` on the engine's loop, watching the engine's processes meanwhile."""
+        engine, loop, _ = self._current(generation)
+        future = asyncio.run_coroutine_threadsafe(fn(engine), loop)
         while True:
             try:
                 return future.result(timeout=LIVENESS_POLL_S)
@@ -424,20 +447,26 @@ class SGLangEngine:
                 dead = self._dead() if generation == self._generation else [-1]
                 if not dead:
                     continue
-                # SGLang's loop waits forever for an answer the dead scheduler will never send.
-                loop = getattr(engine, "loop", None)
-                if loop is not None:
-                    loop.call_soon_threadsafe(loop.stop)
-                try:
-                    future.result(timeout=30)
-                except Exception:
-                    pass
+                # SGLang's tokenizer manager waits forever for an answer the dead scheduler will never send.
+                future.cancel()
                 raise EngineDied(f"SGLang processes {dead} exited during the call")
             except Exception as e:
                 dead = self._dead() if generation == self._generation else [-1]
                 if dead:
                     raise EngineDied(f"SGLang processes {dead} exited during the call ({e})") from e
                 raise
+
+    def _slot(self) -> float:
+        """Wait for a call slot (``max_concurrent_calls``); returns the seconds waited."""
+        if self._slots is None:
+            return 0.0
+        t = time.perf_counter()
+        self._slots.acquire()
+        return time.perf_counter() - t
+
+    def _free_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
 
     def _restart(self, generation: int, why: EngineDied) -> None:
         with self._restart_lock:
@@ -484,27 +513,44 @@ class SGLangEngine:
         def attempt(generation: int) -> list[Capture]:
             rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]  # fresh ids on a retry
             params = [dict(CAPTURE_SAMPLING) for _ in seqs]
-            asked = time.perf_counter()
-            with self._lock:
-                if generation != self._generation:
-                    raise EngineDied("the engine was restarted")
-                directory = self._dir
-                began = time.perf_counter()
-                outs = self._call(lambda e: e.generate(input_ids=seqs, sampling_params=params, rid=rids))
-                ended = time.perf_counter()
-                idle = began - self._last_generate_end if self._last_generate_end is not None else 0.0
-                self._last_generate_end = ended
+            waited = self._slot()
+            try:
+                _, _, directory = self._current(generation)
+                began = self._entered()
+                try:
+                    outs = self._call(generation, lambda e: e.async_generate(input_ids=seqs, sampling_params=params, rid=rids))
+                finally:
+                    ended = self._left()
+            finally:
+                self._free_slot()
             caps = [self._collect(directory, out["meta_info"]["id"], len(s), generation) for out, s in zip(outs, seqs)]
             with self._stats_lock:
                 acc = self.capture_seconds
                 acc["calls"] += 1
-                acc["lock_wait"] += began - asked
+                acc["slot_wait"] += waited
                 acc["generate"] += ended - began
                 acc["collect"] += time.perf_counter() - ended
-                acc["engine_idle"] += idle
             return caps
 
         return self._retrying(attempt)
+
+    def _entered(self) -> float:
+        """A capture call goes into SGLang: the engine's idle time ends if none was in."""
+        now = time.perf_counter()
+        with self._stats_lock:
+            if self._in_flight == 0 and self._idle_since is not None:
+                self.capture_seconds["engine_idle"] += now - self._idle_since
+            self._in_flight += 1
+            self.capture_seconds["max_in_flight"] = max(self.capture_seconds["max_in_flight"], self._in_flight)
+        return now
+
+    def _left(self) -> float:
+        now = time.perf_counter()
+        with self._stats_lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle_since = now
+        return now
 
     def _collect(self, directory: Path | None, rid: str, num_tokens: int, generation: int = 0) -> Capture:
         assert directory is not None
@@ -544,15 +590,22 @@ class SGLangEngine:
         ids = [[int(t) for t in p] for p in prompts]
 
         def attempt(generation: int) -> list[list[int]]:
-            with self._lock:
-                if generation != self._generation:
-                    raise EngineDied("the engine was restarted")
-                outs = self._call(lambda e: e.generate(input_ids=ids, sampling_params=params))
+            self._slot()
+            try:
+                outs = self._call(generation, lambda e: e.async_generate(input_ids=ids, sampling_params=params))
+            finally:
+                self._free_slot()
             return [list(out["output_ids"]) for out in outs]
 
         return self._retrying(attempt)
 
     def _stop_engine(self) -> None:
+        loop, thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=30)
+            if not thread.is_alive():
+                _cancel_tasks(loop)
         engine, self._engine = self._engine, None
         if engine is not None:
             try:
@@ -567,11 +620,28 @@ class SGLangEngine:
     def close(self) -> None:
         if getattr(self, "_engine", None) is not None or getattr(self, "_procs", None):
             self._stop_engine()
-        caller = getattr(self, "_caller", None)
-        if caller is not None:
-            caller.shutdown(wait=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The engine's loop thread: SGLang's tokenizer manager and every call's coroutine run here."""
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
+def _cancel_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 10.0) -> None:
+    """Cancel what is left on a stopped engine loop (calls a dead scheduler never answered, the
+    tokenizer manager's own loops): SGLang 0.5.23 hands the same loop to the next engine built in
+    this thread. The loop stays open for that reason."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        try:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+        except Exception:
+            logger.exception("cancelling the stopped SGLang engine's tasks failed")
 
 
 def _kill(pids: set[int], timeout: float = 60.0) -> None:

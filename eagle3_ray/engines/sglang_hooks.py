@@ -79,14 +79,24 @@ def _is_prefill(forward_batch: Any) -> bool:
 _LAYER_ROWS: dict[str, dict[int, torch.Tensor]] = {}
 
 
+# Capture cut short, for benchmarks that locate the capture's cost (never set by the product):
+# "rows" gathers the batch's rows on the device and stops; "copy" also copies them to host memory
+# (the writer waits for the copy) and writes no file.
+PROBES = ("rows", "copy")
+
+
 def capture_hook_factory(config: dict[str, Any]) -> Callable | None:
     """``hook_factory`` of the ``logits_processor`` spec.
 
-    config = {"dir": str, "tp_size": int, "layer_slots": int}; ``layer_slots`` > 0 means the aux
-    states come from that many layer hooks (``layer_hook_factory``) rather than from SGLang.
-    Returns None on TP ranks other than 0; SGLang then registers nothing there.
+    config = {"dir": str, "tp_size": int, "layer_slots": int, "probe": optional}; ``layer_slots`` > 0
+    means the aux states come from that many layer hooks (``layer_hook_factory``) rather than from
+    SGLang; ``probe``: one of PROBES (benchmarks only). Returns None on TP ranks other than 0;
+    SGLang then registers nothing there.
     """
     directory = Path(config["dir"])
+    probe = config.get("probe")
+    if probe is not None and probe not in PROBES:
+        raise ValueError(f"capture hook probe {probe!r} is not one of {PROBES}")
     if _world_rank() % int(config["tp_size"]) != 0:
         return None
     directory.mkdir(parents=True, exist_ok=True)
@@ -104,7 +114,7 @@ def capture_hook_factory(config: dict[str, Any]) -> Callable | None:
             aux = args[AUX_ARG] if len(args) > AUX_ARG else None
         if aux is None:
             return None  # capture not enabled: the engine reports the missing files with the cause
-        write_batch(directory, forward_batch, args[HIDDEN_ARG], aux)
+        write_batch(directory, forward_batch, args[HIDDEN_ARG], aux, probe)
         return None
 
     return hook
@@ -135,15 +145,19 @@ def write_batch(
     forward_batch: Any,
     hidden: torch.Tensor,  # [N, H] post-final-norm
     aux: torch.Tensor | list[torch.Tensor],  # [N, 3H] packed, or three [N, H]
+    probe: str | None = None,
 ) -> None:
     """Hand one extend batch to the writer threads, which split it into per-request files.
 
     On CUDA the rows go to pinned host buffers with non-blocking copies on a side stream, so the
     forward is not stalled by the device-to-host copy or the file writes; a writer waits for the
     copy's event, then writes. ``flush()`` waits until every batch handed over so far is written.
+    ``probe`` (PROBES, benchmarks only) stops short of the copy or of the files.
     """
     t0 = time.perf_counter()
     aux_packed = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)  # [N, 3H]
+    if probe == "rows":
+        return
     lens = forward_batch.extend_seq_lens_cpu
     if lens is None:
         lens = forward_batch.extend_seq_lens.tolist()
@@ -152,7 +166,7 @@ def write_batch(
     reqs = [(rid, int(n), int(c)) for rid, n, c in zip(forward_batch.rids, lens, prefix)]
     rows = sum(n for _, n, _ in reqs)
     host_aux, host_last, ready = _to_host(aux_packed[:rows], hidden[:rows])
-    _writer().put(Path(directory), reqs, host_aux, host_last, ready, t0)
+    _writer().put(Path(directory), [] if probe == "copy" else reqs, host_aux, host_last, ready, t0)
 
 
 def flush(timeout: float | None = None) -> None:

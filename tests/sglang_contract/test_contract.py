@@ -31,6 +31,7 @@ import sglang.srt.server_args as server_args
 from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
 from eagle3_ray.engines import sglang as sg  # noqa: E402
 from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
+from eagle3_ray.errors import EngineError  # noqa: E402
 import eagle3_ray.engines.sglang_hooks as hooks_module  # noqa: E402
 from eagle3_ray.engines.sglang_hooks import (  # noqa: E402
     AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, STATS_FILE, capture_path, flush, read_writer_stats,
@@ -352,6 +353,35 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     model(torch.cat(seqs)[:2], last[:2], decode, aux_arg)
     model(torch.cat(seqs)[:2], last[:2], verify, aux_arg)
     flush(timeout=30)
+    assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("probe", ["rows", "copy"])
+def test_a_probe_hook_stops_short_and_writes_no_file(target_dir, tmp_path, forward_batch_cls, forward_mode, hf_rows,
+                                                     probe):
+    """Benchmarks cut the capture short to find its cost: "rows" hands nothing to the writer, "copy"
+    has the writer wait for the host copy of the batch; neither writes a capture. A probe the hook
+    does not know fails at registration."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    seqs, per_request = hf_rows
+    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
+                             fields=frozenset({sg.AUX_FLAG}))["forward_hooks"]
+    bad = [{**hooks[0], "config": {**hooks[0]["config"], "probe": "disk"}}]
+    with pytest.raises(ValueError, match="probe 'disk'"):
+        register_forward_hooks(TinyTargetWithLogitsProcessor(hidden=64, vocab=512), bad)
+    hooks[0]["config"]["probe"] = probe
+    model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
+    register_forward_hooks(model, hooks)
+    aux = torch.cat([a for a, _ in per_request])
+    last = torch.cat([h for _, h in per_request])
+    batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["req-a", "req-b"], [len(s) for s in seqs])
+    flush(timeout=30)
+    before = hooks_module._WRITER.stats()["batches"] if hooks_module._WRITER else 0
+    model(torch.cat(seqs), last, batch, aux)
+    flush(timeout=30)
+    after = hooks_module._WRITER.stats()["batches"] if hooks_module._WRITER else 0
+    assert after - before == (1 if probe == "copy" else 0)
     assert _left(tmp_path) == []
 
 
@@ -732,43 +762,88 @@ def test_benchmark_arithmetic_on_sglang_meta_info():
     assert len(turns["chat"]) == 2 and seen == [[2], [2, 1, 4]]  # turn 2 sees the model's own reply
 
 
-class FakeSGLangEngineOneCallAtATime:
-    """FAKE ``sglang.Engine`` (the real one needs CUDA): its ``generate`` runs an event loop and, like
-    the real one on the H200, fails when a second thread enters it ("this event loop is already running")."""
+def _async_method(rel: str, cls: str, name: str) -> ast.AsyncFunctionDef:
+    found = [n for n in _class(rel, cls).body if isinstance(n, ast.AsyncFunctionDef) and n.name == name]
+    assert found, f"async {cls}.{name} is gone from sglang/srt/{rel}"
+    return found[0]
+
+
+def test_engine_answers_calls_as_coroutines_of_its_own_loop():
+    """SGLangEngine runs ``Engine.loop`` in a thread of its own and awaits ``Engine.async_generate``
+    there: pin that the engine keeps its loop in ``self.loop``, that ``async_generate`` takes the
+    arguments we pass, and that it answers a batch as ``generate`` does (the generator's first item)."""
+    init = _method("entrypoints/engine.py", "Engine", "__init__")
+    assert any(isinstance(n, ast.Assign) and any(ast.unparse(t) == "self.loop" for t in n.targets)
+               for n in ast.walk(init)), "Engine.__init__ no longer sets self.loop"
+    agen = _async_method("entrypoints/engine.py", "Engine", "async_generate")
+    params = {a.arg for a in agen.args.args + agen.args.kwonlyargs}
+    assert {"input_ids", "sampling_params", "rid"} <= params
+    body = ast.unparse(agen)
+    assert "self.tokenizer_manager.generate_request(obj, None)" in body
+    assert "return await generator.__anext__()" in body  # not streaming: the batch's answers at once
+    gen = ast.unparse(_method("entrypoints/engine.py", "Engine", "generate"))
+    assert "self.loop.run_until_complete(generator.__anext__())" in gen  # the same answer, on the same loop
+    # Stopping an engine cancels what is left on its loop, the tokenizer manager's handle_loop among
+    # them: its wrapper kills this whole process tree on an Exception, which CancelledError is not.
+    wrapper = [n for n in _tree("managers/tokenizer_manager.py").body
+               if isinstance(n, ast.AsyncFunctionDef) and n.name == "print_exception_wrapper"]
+    assert wrapper, "print_exception_wrapper is gone from managers/tokenizer_manager.py"
+    handlers = [h for h in ast.walk(wrapper[0]) if isinstance(h, ast.ExceptHandler)]
+    assert handlers and all(h.type is not None and ast.unparse(h.type) == "Exception" for h in handlers)
+
+
+class FakeSGLangEngineOnALoop:
+    """FAKE ``sglang.Engine`` (the real one needs CUDA): as the real one, it answers on its asyncio
+    loop (``engine.loop``); its blocking ``generate`` runs that loop and fails when it is already
+    running ("this event loop is already running"), which is what a second thread meets."""
 
     def __init__(self):
-        import threading
+        import asyncio
 
-        self.running = threading.Lock()
-        self.calls = 0
+        self.loop = asyncio.new_event_loop()
+        self.calls = self.in_flight = self.max_in_flight = 0
 
     def shutdown(self):
         pass
 
     def generate(self, input_ids, sampling_params, rid=None):
-        import time
+        return self.loop.run_until_complete(self.async_generate(input_ids, sampling_params, rid))
 
-        if not self.running.acquire(blocking=False):
-            raise RuntimeError("this event loop is already running")
-        try:
-            time.sleep(0.05)
-            self.calls += 1
-            return [{"output_ids": [7], "meta_info": {"id": r}} for r in (rid or [None] * len(input_ids))]
-        finally:
-            self.running.release()
+    async def async_generate(self, input_ids, sampling_params, rid=None):
+        import asyncio
+
+        assert asyncio.get_running_loop() is self.loop
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(0.05)
+        self.in_flight -= 1
+        self.calls += 1
+        return [{"output_ids": [7, len(s)], "meta_info": {"id": r}} for s, r in zip(input_ids, rid or [None] * len(input_ids))]
 
 
-def test_engine_serialises_generate_calls_from_threads(target_dir):
-    """CaptureWriteUDF runs batches in threads: SGLangEngine must enter sglang.Engine.generate one at a time."""
-    import threading
+def test_generate_calls_from_threads_share_the_engines_loop(target_dir):
+    """The generate stage calls from threads: each call is a coroutine on the engine's own loop (run by
+    one thread of SGLangEngine), so they are inside SGLang together and each gets its own answers."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine = sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate",
-                             engine_factory=lambda **kw: FakeSGLangEngineOneCallAtATime())
-    with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda _: engine.generate([[1, 2, 3]], max_new_tokens=1), range(8)))
-    assert outs == [[[7]]] * 8 and engine._engine.calls == 8
-    engine.close()
+                             engine_factory=lambda **kw: FakeSGLangEngineOnALoop())
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda n: engine.generate([[1] * n], max_new_tokens=1), range(1, 9)))
+        assert outs == [[[7, n]] for n in range(1, 9)] and engine._engine.calls == 8
+        assert engine._engine.max_in_flight > 1
+    finally:
+        engine.close()
+
+
+def test_an_engine_without_a_loop_is_refused(target_dir):
+    class NoLoop:
+        def shutdown(self):
+            pass
+
+    with pytest.raises(EngineError, match="no asyncio loop"):
+        sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate", engine_factory=lambda **kw: NoLoop())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

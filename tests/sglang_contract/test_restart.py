@@ -140,12 +140,18 @@ class FakeSGLangEngine:
             fut = self._waiting.pop(rids)
             self.loop.call_soon_threadsafe(fut.set_result, rids)
 
-    def generate(self, input_ids, sampling_params, rid):
+    def generate(self, input_ids, sampling_params, rid):  # like Engine.generate: blocks on its loop
+        return self.loop.run_until_complete(self.async_generate(input_ids, sampling_params, rid))
+
+    async def async_generate(self, input_ids, sampling_params, rid):
+        """Like Engine.async_generate: a coroutine of the engine's loop (the scheduler answers in
+        order; calls in flight together queue in its stdin)."""
+        assert asyncio.get_running_loop() is self.loop
         fut = self.loop.create_future()
         self._waiting[tuple(rid)] = fut
         self.proc.stdin.write(json.dumps({"input_ids": input_ids, "rid": rid}) + "\n")
         self.proc.stdin.flush()
-        self.loop.run_until_complete(fut)  # like Engine.generate: blocks on its loop
+        await fut
         return [{"meta_info": {"id": r}, "output_ids": [0]} for r in rid]
 
     def shutdown(self):  # as Engine.shutdown: the watchdog first, then the process tree
@@ -213,16 +219,44 @@ def test_scheduler_sigkill_mid_capture_restarts_and_loses_nothing(target, monkey
 
 
 def test_capture_calls_account_for_their_time(target):
-    """capture_seconds: the scheduler's 0.2 s per batch shows inside generate; one caller at a time
-    never waits for the lock; the engine idles between calls while the caller collects."""
+    """capture_seconds: the scheduler's 0.2 s per batch shows inside generate; one caller never waits
+    for a slot, and the engine idles between its calls while it collects."""
     engine = sg.SGLangEngine(target, mode="capture", engine_factory=lambda **kw: FakeSGLangEngine(delay=0.2, **kw))
     try:
         for b in range(3):
             engine.capture([[b + 3] * 5, [b + 4] * 7])
         acc = engine.capture_seconds
-        assert acc["calls"] == 3
-        assert acc["generate"] >= 0.6 and acc["lock_wait"] < 0.1
+        assert acc["calls"] == 3 and acc["max_in_flight"] == 1
+        assert acc["generate"] >= 0.6 and acc["slot_wait"] == 0.0
         assert acc["collect"] > 0 and acc["engine_idle"] > 0  # two gaps, each at least one collect
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_capture_calls_from_threads_overlap_inside_sglang(target, limit):
+    """Callers in threads (CaptureWriteUDF's concurrent batches) have their calls in SGLang together,
+    so the scheduler always has the next batch: the engine is never idle while one is queued, and
+    each call still gets its own samples' states. max_concurrent_calls=1 has them wait their turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = target.model_copy(update={"sglang": target.sglang.model_copy(update={"max_concurrent_calls": limit})})
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=lambda **kw: FakeSGLangEngine(delay=0.2, **kw))
+    batches = [[[b + 3] * (4 + b), [b + 40] * 3] for b in range(6)]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(engine.capture, batches))
+        for batch, caps in zip(batches, got):
+            for seq, cap in zip(batch, caps):
+                aux, last = _expected(seq, [2, 3, 4])
+                assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
+        acc = engine.capture_seconds
+        assert acc["calls"] == 6
+        if limit == 0:
+            assert acc["max_in_flight"] == 3 and acc["slot_wait"] == 0.0
+            assert acc["engine_idle"] < 0.1  # 6 x 0.2 s of scheduler time, the next call always queued
+        else:
+            assert acc["max_in_flight"] == 1 and acc["slot_wait"] > 0.3  # the others waited for the slot
     finally:
         engine.close()
 
@@ -247,7 +281,7 @@ def test_an_error_from_a_live_engine_is_not_retried(target, monkeypatch):
     monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
 
     class Refusing(FakeSGLangEngine):
-        def generate(self, input_ids, sampling_params, rid):
+        async def async_generate(self, input_ids, sampling_params, rid):
             raise ValueError("input too long")
 
     engine = sg.SGLangEngine(target, mode="capture", engine_factory=Refusing)
