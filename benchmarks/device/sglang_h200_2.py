@@ -172,6 +172,11 @@ def _rate(fn, batches, threads: int = 1) -> dict:
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "threads": threads}
 
 
+def _save_partial(a, res: dict) -> None:
+    """Part a's figures so far, kept should the part be killed at its time limit (a hung engine)."""
+    (Path(a.out) / "sglang2_throughput.partial.json").write_text(json.dumps(res, indent=1, default=str))
+
+
 def part_a(a) -> dict:
     import torch
 
@@ -225,6 +230,7 @@ def part_a(a) -> dict:
     res["prefill"], res["prefill_one_call"] = prefill_rates(kw)
     prefill_all = res["prefill_one_call"]
     log(f"prefill: {res['prefill']}; all prompts in one call: {prefill_all}")
+    _save_partial(a, res)
     # The same with the capture hook cut short (--probes; hooks_module.PROBES), files in a scratch dir:
     # where between SGLang's forward and the files the capture's cost lies.
     for probe in [p for p in a.probes.split(",") if p]:
@@ -236,6 +242,7 @@ def part_a(a) -> dict:
         res[f"prefill_probe_{probe}"], res[f"prefill_one_call_probe_{probe}"] = prefill_rates(kw)
         shutil.rmtree(scratch, ignore_errors=True)
         log(f"prefill, hook probe {probe}: {res[f'prefill_probe_{probe}']}; one call: {res[f'prefill_one_call_probe_{probe}']}")
+        _save_partial(a, res)
 
     p = res["prefill"]["tokens_per_s"]
     best = max(p, prefill_all["tokens_per_s"])
@@ -246,8 +253,13 @@ def part_a(a) -> dict:
         os.environ[WRITERS_ENV] = str(writers)
         sfx = ("" if writers == DEFAULT_WRITERS else f"_{writers}_writers") + ("" if limit == 0 else f"_{limit}_in_flight")
         t = time.perf_counter()
-        engine = SGLangEngine(cfg.model_copy(update={"sglang": cfg.sglang.model_copy(update={"max_concurrent_calls": limit})}),
-                              mode="capture", engine_factory=factory)
+        try:
+            engine = SGLangEngine(cfg.model_copy(update={"sglang": cfg.sglang.model_copy(update={"max_concurrent_calls": limit})}),
+                                  mode="capture", engine_factory=factory)
+        except Exception:  # recorded; the figures so far stay, and the next engine is tried
+            res[f"capture_error{sfx}"] = traceback.format_exc()
+            log(res[f"capture_error{sfx}"])
+            continue
         start = time.perf_counter() - t
 
         def capture(b):
@@ -276,8 +288,12 @@ def part_a(a) -> dict:
                                           "batches": done, "writers": after.get("writers")}
                 res[f"ratio_{n}_caller{'s' if n > 1 else ''}{sfx}"] = res[key]["tokens_per_s"] / p
                 res[f"ratio_best_{n}_caller{'s' if n > 1 else ''}{sfx}"] = res[key]["tokens_per_s"] / best
-                log(f"capture, {n} callers, {writers} writer threads: {res[key]}")
+                log(f"capture, {n} callers, {writers} writer threads, call limit {limit}: {res[key]}")
+                _save_partial(a, res)
             res[f"restarts{sfx}"] = engine.restarts
+        except Exception:
+            res[f"capture_error{sfx}"] = traceback.format_exc()
+            log(res[f"capture_error{sfx}"])
         finally:
             engine.close()
     os.environ.pop(WRITERS_ENV, None)
