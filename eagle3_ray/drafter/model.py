@@ -27,9 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3_ray.drafter.ttt_attention import TTTCache, ttt_attention
 from eagle3_ray.errors import CheckpointError, ConfigError
@@ -319,6 +316,18 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE, as transformers' Llama: q, k [B, h, T, D]; cos, sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 class RotaryEmbedding:
     """Neox-style RoPE tables computed in fp32 (SGLang keeps its cos/sin cache in fp32 too).
 
@@ -327,16 +336,22 @@ class RotaryEmbedding:
 
     def __init__(self, cfg: DrafterConfig):
         rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-        hf = LlamaConfig(
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters=rope,
-        )
-        kind = hf.rope_parameters["rope_type"]
-        init = LlamaRotaryEmbedding.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
-        self.inv_freq, self.scaling = init(hf)  # [D/2] fp32, float
+        if rope["rope_type"] == "default":  # transformers' default rule, without importing it (~3 s per process)
+            d = cfg.head_dim
+            self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            self.scaling = 1.0
+        else:  # scaled RoPE (llama3, yarn, ...): transformers' own init functions
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf = LlamaConfig(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_parameters=rope,
+            )
+            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[hf.rope_parameters["rope_type"]](hf)  # [D/2] fp32
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per call
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
