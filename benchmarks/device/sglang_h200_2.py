@@ -200,8 +200,8 @@ def part_a(a) -> dict:
     factory = fake_factory() if a.cpu else None
 
     def prefill_rates(kw: dict) -> tuple[dict, dict]:
-        """sglang.Engine(**kw) on the batches, no SGLangEngine: one call per batch, one at a time (as
-        before 2026-12-05), and every timed prompt in one call (SGLang's best for these prompts: its
+        """sglang.Engine(**kw) on the batches, no SGLangEngine: one call per batch, one at a time (the
+        baseline of the runs up to 2026-12-04), and every timed prompt in one call (SGLang's best for these prompts: its
         scheduler fills every forward and never waits for a call)."""
         t = time.perf_counter()
         if a.cpu:
@@ -228,8 +228,7 @@ def part_a(a) -> dict:
     kw = {**engine_kwargs(cfg, "generate"), "disable_radix_cache": True, "chunked_prefill_size": -1,
           "disable_cuda_graph": True}
     res["prefill"], res["prefill_one_call"] = prefill_rates(kw)
-    prefill_all = res["prefill_one_call"]
-    log(f"prefill: {res['prefill']}; all prompts in one call: {prefill_all}")
+    log(f"prefill: {res['prefill']}; all prompts in one call: {res['prefill_one_call']}")
     _save_partial(a, res)
     # The same with the capture hook cut short (--probes; hooks_module.PROBES), files in a scratch dir:
     # where between SGLang's forward and the files the capture's cost lies.
@@ -245,7 +244,7 @@ def part_a(a) -> dict:
         _save_partial(a, res)
 
     p = res["prefill"]["tokens_per_s"]
-    best = max(p, prefill_all["tokens_per_s"])
+    best = max(p, res["prefill_one_call"]["tokens_per_s"])
     # One capture engine per writer-thread count of the hook (EAGLE3_RAY_CAPTURE_WRITERS, inherited by
     # SGLang's scheduler processes) and per target.sglang.max_concurrent_calls; keys of the defaults
     # (1 writer, no call bound) carry no suffix.
