@@ -20,7 +20,8 @@ setup:
 # CPU imports need go into the environment; a version's own pins go into its directory. Each
 # directory is rebuilt only when its requirements change (the .installed stamp).
 SGLANG_VERSIONS := 0.5.17 0.5.23
-sglang-src: $(foreach v,$(SGLANG_VERSIONS),.deps/sglang-$(v)/.installed)
+SGLANG_DIRS := $(foreach v,$(SGLANG_VERSIONS),.deps/sglang-$(v)/.installed)
+sglang-src: $(SGLANG_DIRS) | setup
 	$(INSTALL) -r requirements-sglang-cpu.txt
 
 .deps/sglang-0.5.17/.installed: requirements-sglang-cpu-0.5.17.txt
@@ -42,6 +43,8 @@ transformers-5.17: .deps/transformers-5.17/.installed
 	$(PIP) install -q --no-deps --target $(@D) -r requirements-transformers-5.17.txt
 	touch $@
 
+# `make -j4 setup-dev` (as .ci/run does) fetches the --target directories beside the environment's
+# installs; those go one after another (setup, then sglang-src's packages, then the dev extra).
 setup-dev: setup sglang-src transformers-5.17
 	$(INSTALL) -e ".[dev]"
 
@@ -49,7 +52,9 @@ setup-dev: setup sglang-src transformers-5.17
 demo: setup
 	$(PYTHON) -m eagle3_ray.cli run -c configs/demo-smollm2.yaml --out $(OUT)
 
-test: setup-dev
+# SETUP= skips the installs: .ci/run has just run them (with retries) and passes it.
+SETUP ?= setup-dev
+test: $(SETUP)
 	$(PYTHON) -m pytest -q --durations=20
 
 # The inner loop: every test that starts no Ray (no cluster, no CLI run); see README "Development".
