@@ -35,10 +35,19 @@ H = 64
 
 # The scheduler of the fake: hooks registered by SGLang's own register_forward_hooks on a module
 # tree with SGLang's names; one JSON batch per stdin line, one answer per stdout line.
+# hook_manager.py is loaded from the installed version's file by path: ``sglang/__init__`` (imported
+# by ``from sglang.srt...``) pulls in transformers and torch._dynamo, 3.5 of the 4.7 s a scheduler
+# took to start here, while the module itself needs only the standard library and torch
+# (test_the_hook_manager_needs_only_torch pins that).
 _SCHEDULER = textwrap.dedent(
     """
-    import json, sys, time, torch
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+    import importlib.util, json, os, sys, time, torch
+    _root = importlib.util.find_spec("sglang").submodule_search_locations[0]
+    _spec = importlib.util.spec_from_file_location(
+        "sglang_hook_manager", os.path.join(_root, "srt", "model_executor", "hook_manager.py"))
+    _hm = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_hm)
+    register_forward_hooks = _hm.register_forward_hooks
     from eagle3_ray.engines.sglang_hooks import flush
     H, kw = int(sys.argv[1]), json.loads(sys.argv[2])
     delay = float(sys.argv[3])
@@ -169,6 +178,22 @@ def _expected(seq: list[int], aux: list[int]) -> tuple[torch.Tensor, torch.Tenso
         return ids[:, None].float() * (k + 1) + torch.arange(H).float()[None] / H
 
     return torch.cat([state(k) for k in aux], -1), state(99)
+
+
+def test_the_hook_manager_needs_only_torch():
+    """The fake scheduler loads hook_manager.py by its path, without ``sglang/__init__``: that is the
+    same code only while the module imports nothing of SGLang's (else this fails, naming it)."""
+    import ast
+    import importlib.util
+
+    path = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "model_executor" / "hook_manager.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else node.module.split(".")[0])
+    assert names - set(sys.stdlib_module_names) <= {"torch"}, f"{path} imports {sorted(names)}"
 
 
 @pytest.fixture()
