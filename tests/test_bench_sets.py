@@ -208,10 +208,10 @@ def test_prompts_config_forms_and_errors():
 # --- per_set -------------------------------------------------------------------------------------------
 
 
-def _rec(pid, new_tokens, seconds, tau=None, steps=None):
+def _rec(pid, new_tokens, seconds, tau=None, steps=None, turn=0):
     stats = {"new_tokens": new_tokens, "seconds": seconds, "tau": tau, "verify_steps": steps,
              "accept_by_position": [], "tokens_per_s": new_tokens / seconds, "parts": {}}
-    return {"prompt_id": pid, "turn": 0, "prompt_tokens": 10, "identical": True, "divergence": None, "stats": stats}
+    return {"prompt_id": pid, "turn": turn, "prompt_tokens": 10, "identical": True, "divergence": None, "stats": stats}
 
 
 PER_CAT = {
@@ -244,6 +244,29 @@ def test_per_set_pools_each_sets_turns_like_the_overall_figures():
                         set_of=SET_OF)
     assert body["per_set"] == r["per_set"]
     json.dumps(body)
+
+
+def test_per_turn_pools_each_multi_turn_sets_turns_by_their_index(tmp_path):
+    two_turns = {  # prompt 1 has two turns in writing; prompt 2 one in math (a set of 1- and 2-turn prompts)
+        "mt/writing": {"baseline": [_rec("1", 10, 1.0), _rec("1", 30, 1.0, turn=1)],
+                       "chain": [_rec("1", 10, 0.5, tau=2.0, steps=5), _rec("1", 30, 0.5, tau=3.0, steps=10, turn=1)]},
+        "mt/math": {"baseline": [_rec("2", 20, 2.0)], "chain": [_rec("2", 20, 1.0, tau=4.0, steps=5)]},
+        "gsm8k/gsm8k": PER_CAT["gsm8k/gsm8k"],
+    }
+    r = summarize(two_turns, ["chain"], SET_OF)
+    assert list(r["per_turn"]) == ["mt"]  # gsm8k has first turns only: no rows of its own
+    first, second = r["per_turn"]["mt"]["1"], r["per_turn"]["mt"]["2"]
+    assert first["chain"]["tau"] == pytest.approx((2 * 5 + 4 * 5) / 10) and first["chain"]["turns"] == 2
+    assert second["chain"]["tau"] == pytest.approx(3.0) and second["baseline"]["turns"] == 1
+    assert second["chain"]["speedup"] == pytest.approx((30 / 0.5) / (30 / 1.0))  # over the same turns' baseline
+    assert summarize(PER_CAT, ["chain"], SET_OF)["per_turn"] == {}
+    body = results_body(two_turns, BenchConfig(modes=["chain"], prompt_lookup=False),
+                        {"device": "cpu", "dtype": "float32"}, set_of=SET_OF)
+    text = write_report(body, tmp_path / "turns").read_text()
+    assert "## Per turn" in text and "| mt turn 2 | 1 | 3.00 | 2.00x |" in text
+    text = write_report(results_body(PER_CAT, BenchConfig(modes=["chain"], prompt_lookup=False),
+                                     {"device": "cpu", "dtype": "float32"}, set_of=SET_OF), tmp_path / "one").read_text()
+    assert "## Per turn" not in text
 
 
 def test_one_set_keeps_its_partial_names_and_keys(sets_dir, tmp_path):

@@ -35,6 +35,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
         _parts_section(results),
         _divergence_section(results),
         _set_section(results),
+        _turn_section(results),
         _category_section(results),
         _acceptance_section(results),
         _untrained_section(results),
@@ -265,6 +266,17 @@ def _set_section(results: dict[str, Any]) -> str:
     intro = ("Each prompt set's turns pooled as the summary pools all of them; speedup over plain decoding "
              "of that set's turns.")
     return f"## Per set\n\n{intro}\n\n{_kind_table('set', per_set, _kinds(results), turns=True)}"
+
+
+def _turn_section(results: dict[str, Any]) -> str:
+    """Each multi-turn prompt set by turn index (results without ``per_turn`` have none)."""
+    per_turn = results.get("per_turn") or {}
+    rows = {f"{name} turn {t}": kinds for name, turns in per_turn.items() for t, kinds in turns.items()}
+    if not rows:
+        return ""
+    intro = ("The turns at each index of their conversation pooled (turn 2 follows the target's own answer "
+             "to turn 1); speedup over plain decoding of the same turns.")
+    return f"## Per turn\n\n{intro}\n\n{_kind_table('turns of', rows, _kinds(results), turns=True)}"
 
 
 def _category_section(results: dict[str, Any]) -> str:

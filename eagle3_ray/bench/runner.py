@@ -305,13 +305,15 @@ def summary_keys(results: dict[str, Any], greedy: bool, sglang_plain_tokens_per_
     }
 
 
-def _pooled(per_category: dict[str, dict[str, list[dict[str, Any]]]], cats: list[str]) -> dict[str, dict[str, Any]]:
+def _pooled(per_category: dict[str, dict[str, list[dict[str, Any]]]], cats: list[str],
+            turn: int | None = None) -> dict[str, dict[str, Any]]:
     """``{kind: aggregate with speedup}`` over the turns of ``cats`` pooled, the speedup over the
-    baseline of the same turns: one category, a prompt set, or everything."""
+    baseline of the same turns: one category, a prompt set, or everything; with ``turn``, only the
+    turns at that index of their conversation (0: the first user turn)."""
     pooled: dict[str, list[dict[str, Any]]] = {}
     for cat in cats:
         for kind, recs in per_category[cat].items():
-            pooled.setdefault(kind, []).extend(recs)
+            pooled.setdefault(kind, []).extend(r for r in recs if turn is None or r["turn"] == turn)
     base = aggregate(pooled["baseline"])["tokens_per_s"]
     return {kind: _with_speedup(aggregate(recs), base) for kind, recs in pooled.items()}
 
@@ -332,6 +334,13 @@ def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: l
     for cat in per_category:
         members.setdefault((set_of or {}).get(cat) or SINGLE_SET, []).append(cat)
     per_set = {name: _pooled(per_category, cats) for name, cats in members.items()}
+    # Each set with multi-turn prompts, by turn index ("1", "2", ...): MT-bench's second turns answer
+    # after the target's own first answer, a context the training data may hold less of.
+    per_turn = {}
+    for name, cats in members.items():
+        indices = sorted({r["turn"] for c in cats for r in per_category[c]["baseline"]})
+        if len(indices) > 1:
+            per_turn[name] = {str(t + 1): _pooled(per_category, cats, turn=t) for t in indices}
     overall = _pooled(per_category, list(per_category))
     return {
         "tau": {m: overall[m]["tau"] for m in modes},
@@ -343,6 +352,7 @@ def summarize(per_category: dict[str, dict[str, list[dict[str, Any]]]], modes: l
         "prompt_lookup": overall.get("prompt_lookup"),
         "untrained": overall.get("untrained"),
         "per_set": per_set,
+        "per_turn": per_turn,
         "per_category": categories,
         "num_prompts": len({(c, r["prompt_id"]) for c, k in per_category.items() for r in k["baseline"]}),
         "num_turns": overall["baseline"]["turns"],
