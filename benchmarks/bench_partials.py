@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_ray.bench.prompts import load_prompt_sets  # noqa: E402
+from eagle3_ray.bench.prompts import categories_by_set, load_prompt_sets  # noqa: E402
 from eagle3_ray.bench.report import write_report  # noqa: E402
 from eagle3_ray.bench.runner import PARTIAL_DIR, results_body  # noqa: E402
 from eagle3_ray.config import config_to_dict, load_config  # noqa: E402
@@ -42,11 +42,13 @@ def main() -> int:
         d = json.loads(path.read_text())
         per_category[d["category"]] = d["records"]
         info = d["info"]
-    prompts = a.prompts or cfg.bench.prompts
-    planned = list(load_prompt_sets(prompts, cfg.bench.max_prompts)) if prompts else []
-    missing = [c for c in planned if c not in per_category]
-    results = results_body(per_category, cfg.bench, info, a.sglang_plain_tps)
     resolved = config_to_dict(cfg)
+    prompts = a.prompts or resolved["bench"]["prompts"]  # plain data: several sets are a list of mappings
+    sets = load_prompt_sets(prompts, cfg.bench.max_prompts) if prompts else {}
+    missing = [c for c in sets if c not in per_category]
+    # per_set / per_turn by the sets the bench was given, as a finished bench groups them
+    set_of = {c: s for c, s in categories_by_set(sets).items() if c in per_category}
+    results = results_body(per_category, cfg.bench, info, a.sglang_plain_tps, set_of or None)
     results["config"] = {"bench": resolved["bench"], "target": resolved["target"], "prompts": prompts}
     results["incomplete"] = {"measured_categories": sorted(per_category), "missing_categories": missing,
                              "note": "pooled from the bench stage's partial results by benchmarks/bench_partials.py"}
@@ -57,7 +59,7 @@ def main() -> int:
     report = write_report(results, out, metrics if metrics.is_file() else None)
     if missing:
         text = report.read_text()
-        report.write_text(f"> **Incomplete:** {len(per_category)} of {len(planned)} categories measured; "
+        report.write_text(f"> **Incomplete:** {len(per_category)} of {len(sets)} categories measured; "
                           f"not measured: {', '.join(missing)}.\n\n" + text)
     s = results["summary"]
     print(json.dumps({"tau": results["tau"], "tokens_per_s": results["tokens_per_s"], "speedup": results["speedup"],
