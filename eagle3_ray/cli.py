@@ -78,6 +78,25 @@ def _ray(cfg):
     return ray_session.init_ray(cfg.ray)
 
 
+def _interrupted(command: str) -> int:
+    print(f"eagle3-ray {command}: interrupted. Finished stages, committed shards and the latest "
+          "checkpoint are kept: run the same command again to resume", file=sys.stderr)
+    return 130
+
+
+def _during_interrupt(e: BaseException) -> bool:
+    """``e`` was raised while a KeyboardInterrupt was being handled. A Ctrl-C that lands inside
+    ``threading.Condition.wait`` (a queue's ``get``) can leave its lock released, and leaving the
+    ``with`` then raises ``RuntimeError: release unlocked lock`` in place of the interrupt (seen on
+    the H200 when a call's time limit sent SIGINT during extraction)."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e, seen = e.__context__, seen + 1
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     # Ray starts only where the CLI says so (init_ray): a Ray call from a thread that outlives its
     # stage raises instead of starting a local Ray of its own (read by Ray when it is imported,
@@ -88,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
-        print(f"eagle3-ray {args.command}: interrupted. Finished stages, committed shards and the latest "
-              "checkpoint are kept: run the same command again to resume", file=sys.stderr)
-        return 130
+        return _interrupted(args.command)
     except Exception as e:
+        if _during_interrupt(e):
+            return _interrupted(args.command)
         user_error = _user_error(e)
         if user_error is None:
             raise

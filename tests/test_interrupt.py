@@ -69,3 +69,29 @@ def test_ctrl_c_during_a_ray_train_fit_interrupts_the_main_thread_at_once(ray_lo
     finally:
         release.touch()  # let the worker end; the fit's thread finishes by itself
         signal.signal(signal.SIGINT, previous)
+
+
+
+def test_an_error_raised_while_a_ctrl_c_is_handled_is_reported_as_the_interrupt(monkeypatch, capsys):
+    """A Ctrl-C inside ``threading.Condition.wait`` (a queue's ``get``) can surface as ``RuntimeError:
+    release unlocked lock``, raised while its KeyboardInterrupt is handled (seen on the H200 during
+    extraction): the CLI says "interrupted" and exits 130, as for the interrupt itself. An error of
+    its own still propagates."""
+    from eagle3_ray import cli
+
+    def interrupted(args):
+        try:
+            raise KeyboardInterrupt  # stands for the signal landing inside the wait
+        except KeyboardInterrupt:
+            threading.Lock().release()  # RuntimeError: release unlocked lock, its __context__ the interrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    assert cli.main(["run", "-c", "configs/ci-tiny.yaml"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+    def failing(args):
+        raise RuntimeError("an error of its own")
+
+    monkeypatch.setattr(cli, "_dispatch", failing)
+    with pytest.raises(RuntimeError, match="an error of its own"):
+        cli.main(["run", "-c", "configs/ci-tiny.yaml"])
