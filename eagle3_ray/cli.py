@@ -78,8 +78,9 @@ def _ray(cfg):
     return ray_session.init_ray(cfg.ray)
 
 
-def _interrupted(command: str) -> int:
-    print(f"eagle3-ray {command}: interrupted. Finished stages, committed shards and the latest "
+def _interrupted(command: str, while_stopping: BaseException | None = None) -> int:
+    also = f" (and while stopping: {type(while_stopping).__name__}: {while_stopping})" if while_stopping else ""
+    print(f"eagle3-ray {command}: interrupted{also}. Finished stages, committed shards and the latest "
           "checkpoint are kept: run the same command again to resume", file=sys.stderr)
     return 130
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted(args.command)
     except Exception as e:
         if _during_interrupt(e):
-            return _interrupted(args.command)
+            return _interrupted(args.command, e)
         user_error = _user_error(e)
         if user_error is None:
             raise
