@@ -21,19 +21,16 @@ def _rec(pid: str, tokens: int, seconds: float, tau: float | None = None, steps:
     return {"prompt_id": pid, "turn": turn, "prompt_tokens": 10, "identical": True, "divergence": None, "stats": stats}
 
 
-def test_pools_the_finished_categories_and_names_the_missing_ones(tmp_path):
+def _pool(tmp_path: Path, cfg: PipelineConfig, records_by_category: dict) -> tuple[Path, dict]:
+    """A run directory holding ``cfg`` resolved and one partial file per category, pooled by the script;
+    returns (run, results.json)."""
     import yaml
 
-    prompts = tmp_path / "mt.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
-                               for i, c in enumerate(["writing", "math", "coding"])))
     run = tmp_path / "run"
-    cfg = PipelineConfig(bench=BenchConfig(prompts=str(prompts), modes=["chain"], max_new_tokens=8))
     run.mkdir()
     (run / "config.resolved.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
     info = {"device": "cpu", "dtype": "float32", "graphed_baseline": False, "draft_graphs": False}
-    for cat, pid in (("writing", "0"), ("math", "1")):
-        records = {"baseline": [_rec(pid, 8, 1.0)], "chain": [_rec(pid, 8, 0.5, tau=2.0, steps=4)]}
+    for cat, records in records_by_category.items():
         path = _partial_path(run / "bench" / PARTIAL_DIR, cat)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"format": PARTIAL_FORMAT, "key": "k", "category": cat, "info": info,
@@ -41,7 +38,17 @@ def test_pools_the_finished_categories_and_names_the_missing_ones(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_partials.py"), "--run", str(run)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    results = json.loads((run / "bench" / "results.json").read_text())
+    return run, json.loads((run / "bench" / "results.json").read_text())
+
+
+def test_pools_the_finished_categories_and_names_the_missing_ones(tmp_path):
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
+                               for i, c in enumerate(["writing", "math", "coding"])))
+    cfg = PipelineConfig(bench=BenchConfig(prompts=str(prompts), modes=["chain"], max_new_tokens=8))
+    run, results = _pool(tmp_path, cfg, {
+        cat: {"baseline": [_rec(pid, 8, 1.0)], "chain": [_rec(pid, 8, 0.5, tau=2.0, steps=4)]}
+        for cat, pid in (("writing", "0"), ("math", "1"))})
     assert results["incomplete"]["missing_categories"] == ["coding"]
     assert sorted(results["per_category"]) == ["math", "writing"]
     assert results["tau"]["chain"] == 2.0 and results["speedup"]["chain"] == 2.0 and results["num_prompts"] == 2
@@ -52,29 +59,16 @@ def test_pools_the_finished_categories_and_names_the_missing_ones(tmp_path):
 def test_several_prompt_sets_pool_per_set_and_per_turn(tmp_path):
     """bench.prompts as a list of sets (as configs/smollm2-h200.yaml's runs pass it): the resolved config
     holds mappings, the categories are <set>/<category>, per_set and per_turn group them by set."""
-    import yaml
-
     mt, gsm = tmp_path / "mt_bench.jsonl", tmp_path / "gsm8k_test.jsonl"
     mt.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}", f"f{i}"]}) + "\n"
                           for i, c in enumerate(["writing", "math"])))
     gsm.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
-    run = tmp_path / "run"
     cfg = PipelineConfig(bench=BenchConfig(prompts=[{"path": str(mt), "max_prompts": 80}, {"path": str(gsm)}],
                                            modes=["chain"], max_new_tokens=8))
-    run.mkdir()
-    (run / "config.resolved.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
-    info = {"device": "cpu", "dtype": "float32", "graphed_baseline": False, "draft_graphs": False}
-    for cat, pid in (("mt_bench/writing", "0"), ("mt_bench/math", "1")):
-        records = {"baseline": [_rec(pid, 8, 1.0), _rec(pid, 8, 1.0, turn=1)],
-                   "chain": [_rec(pid, 8, 0.5, tau=2.0, steps=4), _rec(pid, 8, 0.5, tau=4.0, steps=2, turn=1)]}
-        path = _partial_path(run / "bench" / PARTIAL_DIR, cat)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"format": PARTIAL_FORMAT, "key": "k", "category": cat, "info": info,
-                                    "records": records}))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_partials.py"), "--run", str(run)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    results = json.loads((run / "bench" / "results.json").read_text())
+    _, results = _pool(tmp_path, cfg, {
+        cat: {"baseline": [_rec(pid, 8, 1.0), _rec(pid, 8, 1.0, turn=1)],
+              "chain": [_rec(pid, 8, 0.5, tau=2.0, steps=4), _rec(pid, 8, 0.5, tau=4.0, steps=2, turn=1)]}
+        for cat, pid in (("mt_bench/writing", "0"), ("mt_bench/math", "1"))})
     assert results["incomplete"]["missing_categories"] == ["gsm8k_test/gsm8k_test"]
     assert list(results["per_set"]) == ["mt_bench"]
     assert results["per_turn"]["mt_bench"]["1"]["chain"]["tau"] == 2.0
