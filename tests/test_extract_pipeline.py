@@ -69,6 +69,16 @@ def test_prepare_tokenizes_on_half_the_clusters_cpus():
     assert _tokenizer_actors({}) == 2
 
 
+def test_extract_runs_three_batches_per_gpu_actor_unless_told(cfg):
+    # 3 in flight is what the published GPU extraction and SGLang capture figures ran with.
+    from eagle3_ray.extract.pipeline import concurrent_batches
+
+    gpu = cfg.extract.model_copy(update={"num_gpus_per_actor": 1.0, "concurrent_batches": None})
+    assert concurrent_batches(gpu) == 3
+    assert concurrent_batches(gpu.model_copy(update={"num_gpus_per_actor": 0.0})) == 1
+    assert concurrent_batches(gpu.model_copy(update={"concurrent_batches": 2})) == 2
+
+
 def test_prepare_quarantines_bad_lines_and_goes_on(ray_local, cfg, tmp_path):
     from eagle3_ray.extract.pipeline import run_prepare
 

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3_ray.atomic import tmp_path, write_file, write_json
-from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.config import ExtractConfig, PipelineConfig, save_resolved
 from eagle3_ray.errors import ConfigError, DataError, StoreError
 from eagle3_ray.progress import say
 
@@ -48,6 +48,16 @@ TOKENIZE_BATCH = 64
 # (max_restarts=-1, max_task_retries=-1): a batch that kills its actor every time (host OOM, a
 # driver crash on one input) would loop forever. Bounded, such a run fails and a rerun resumes.
 ENGINE_ACTOR_RESTARTS = 4
+# Batches in flight per GPU engine actor unless extract.concurrent_batches says; each holds a batch
+# of pinned host memory. The published GPU extraction figure (0.944 of the bare forward,
+# extract_gpu_8b_pinned.json) ran with 3; SGLang capture gave 0.834 of its prefill with 3 against
+# 0.612 with 2 (sglang6_async_probes_h200.json).
+GPU_CONCURRENT_BATCHES = 3
+
+
+def concurrent_batches(extract: ExtractConfig) -> int:
+    """Capture calls one engine actor runs at once (threads): 1 on CPU."""
+    return extract.concurrent_batches or (GPU_CONCURRENT_BATCHES if extract.num_gpus_per_actor > 0 else 1)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -420,7 +430,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         _check_store(cfg, out, target_info.result(), todo_tokens=0)
         return _finish_extract(out, timeline, skipped, 0)
 
-    concurrent = cfg.extract.concurrent_batches or (2 if cfg.extract.num_gpus_per_actor > 0 else 1)
+    concurrent = concurrent_batches(cfg.extract)
     mean_len = max(1.0, float(lengths[todo].mean()))
     rows_per_batch = max(1, int(cfg.extract.batch_tokens // mean_len))
     start_file = out / f"{START_PREFIX}{secrets.token_hex(8)}.json"
