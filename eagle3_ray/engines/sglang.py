@@ -33,7 +33,7 @@ import torch
 from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.engines.aux_layers import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
-from eagle3_ray.engines.sglang_hooks import FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
+from eagle3_ray.engines.sglang_hooks import CAPTURE_SUFFIX, FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
 from eagle3_ray.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)
@@ -302,12 +302,17 @@ def _map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 
 def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
-    """Map one hook file, check it covers the whole sequence, and delete it."""
+    """Map one request's link to its batch's hook file, take the request's rows (views, no copy),
+    check they cover the whole sequence, and delete the link."""
+    rid = path.name.removesuffix(CAPTURE_SUFFIX)
     tensors, meta = _map_safetensors(path)
-    cached = int(meta.get("prefix_len", 0))
-    aux = tensors["aux_hidden"]  # [T, 3H]
-    last = tensors["last_hidden"]  # [T, H]
     path.unlink()
+    requests = json.loads(meta.get("requests", "{}"))
+    if rid not in requests:
+        raise EngineError(f"the capture file {path} holds no rows of request {rid} (it has {sorted(requests)[:4]})")
+    start, rows, cached = requests[rid]
+    aux = tensors["aux_hidden"][start:start + rows]  # [T, 3H]
+    last = tensors["last_hidden"][start:start + rows]  # [T, H]
     if cached or aux.shape[0] != num_tokens or last.shape[0] != num_tokens:
         raise EngineError(
             f"SGLang captured {aux.shape[0]} rows (prefix cache hit: {cached} tokens) for a {num_tokens}-token "

@@ -19,14 +19,19 @@ final norm (the lm_head input). N is the sum of the batch's extend lengths, requ
   the next layer's input (``hidden_states + residual``, models/llama.py). The layer hooks park
   their rows here, in this process, and the ``logits_processor`` hook of the same forward takes them.
 
-Only TP rank 0 writes: every rank holds the same full rows, and one writer per request keeps
+Only TP rank 0 writes: every rank holds the same full rows, and one writing rank keeps
 /dev/shm traffic at one copy. The hook does not stall the forward: it starts non-blocking copies
 of the batch's rows to pinned host buffers on a side stream and hands them to a writer thread of
-the scheduler process, which waits for the copy and writes. Each request becomes
-``<dir>/<rid>.safetensors`` (written to a temporary name, then renamed, so a reader never sees half
-a file, and a reader waits for it: it may land after SGLang has answered the request) holding
-``aux_hidden`` [T, 3H] and ``last_hidden`` [T, H] in the model dtype, plus the request's cached
-prefix length as metadata.
+the scheduler process, which waits for the copy and writes. Each forward batch becomes one
+safetensors file holding ``aux_hidden`` [N, 3H] and ``last_hidden`` [N, H] in the model dtype and,
+as metadata, each request's rows and cached prefix length; every request gets a hard link to it,
+``<dir>/<rid>.safetensors``, made once the file is whole (a reader never sees half a file, and
+waits for the link: it may land after SGLang has answered the request). The file's memory goes
+back when the last link is unlinked and unmapped. One file per batch, not per request: the writer
+shares its process with SGLang's scheduler loop, which runs Python without pause, so each system
+call the writer returns from waits for the GIL (up to the 5-ms switch interval); a batch costs a
+few calls plus one link per request instead of five or six calls per request
+(benchmarks/capture_writer_gil.py).
 """
 
 from __future__ import annotations
@@ -202,11 +207,12 @@ _SIDE_STREAM: Any = None
 # Batches copied but not written yet: at most this many, so host memory stays bounded when the
 # writes fall behind (the forward then waits for a writer).
 MAX_PENDING_BATCHES = 8
-# Writer threads of a scheduler process (each writes whole batches; file.write releases the GIL, so
+# Writer threads of a scheduler process (each writes whole batches; os.writev releases the GIL, so
 # they write in parallel). EAGLE3_RAY_CAPTURE_WRITERS, read when the first batch arrives, sets it.
 WRITERS_ENV = "EAGLE3_RAY_CAPTURE_WRITERS"
 DEFAULT_WRITERS = 1
-# Written next to the captures after every batch: where the hook's time goes (_Writer.stats).
+# Written next to the captures whenever the writers catch up (no batch waiting: each write is four
+# system calls, each a wait for the GIL, module docstring): where the hook's time goes (_Writer.stats).
 STATS_FILE = "writer-stats.json"
 
 
@@ -258,10 +264,9 @@ class _Writer:
                 if ready is not None:
                     ready.synchronize()
                 t1 = time.perf_counter()
-                start = 0
-                for rid, n, cached in reqs:
-                    _write_one(capture_path(directory, rid), host_aux[start:start + n], host_last[start:start + n], cached)
-                    start += n
+                start = sum(n for _, n, _ in reqs)
+                if reqs:
+                    write_linked(directory, reqs, host_aux[:start], host_last[:start])
                 t2 = time.perf_counter()
                 with self._done:
                     st = self._stats
@@ -272,7 +277,8 @@ class _Writer:
                     st["copy_wait_s"] += t1 - t0
                     st["write_s"] += t2 - t1
                     snapshot = dict(st)
-                _write_stats(directory / STATS_FILE, snapshot)
+                if self._queue.empty():
+                    _write_stats(directory / STATS_FILE, snapshot)
             except Exception:  # the engine reports the missing files; the cause goes to SGLang's log
                 logger.exception("eagle3_ray capture writer failed for requests %s", [r for r, _, _ in reqs])
             finally:
@@ -330,11 +336,29 @@ def _raw(t: torch.Tensor) -> memoryview:
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
-def _write_one(path: Path, aux_hidden: torch.Tensor, last_hidden: torch.Tensor, cached: int) -> None:
-    """One safetensors file, written by hand: header, then the tensors' bytes straight from the
-    (pinned) buffer; ``file.write`` releases the GIL, ``safetensors.save_file`` copies twice."""
-    tensors = {"aux_hidden": aux_hidden, "last_hidden": last_hidden}  # [T, 3H], [T, H]
-    header: dict[str, Any] = {"__metadata__": {"prefix_len": str(cached)}}
+def _write_all(fd: int, parts: list) -> None:
+    """``os.writev`` until every byte of ``parts`` is written (one system call for most batches)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        done = os.writev(fd, views)
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
+
+
+def write_linked(directory: Path, reqs: list, aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+    """One safetensors file for a batch's rows (``aux_hidden`` [N, 3H], ``last_hidden`` [N, H]), with
+    ``requests`` = {rid: [first row, rows, cached prefix]} as metadata, and one hard link to it per
+    request, ``capture_path(directory, rid)``. Written by hand: the header, then the tensors' bytes
+    straight from the (pinned) buffers in one ``writev`` (``safetensors.save_file`` copies twice)."""
+    index, start = {}, 0
+    for rid, n, cached in reqs:
+        index[rid] = [start, n, cached]
+        start += n
+    tensors = {"aux_hidden": aux_hidden, "last_hidden": last_hidden}
+    header: dict[str, Any] = {"__metadata__": {"requests": json.dumps(index, separators=(",", ":"))}}
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
@@ -342,11 +366,14 @@ def _write_one(path: Path, aux_hidden: torch.Tensor, last_hidden: torch.Tensor, 
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for t in tensors.values():
-            if t.numel():
-                f.write(_raw(t))
-    os.replace(tmp, path)
+    tmp = directory / f"batch-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _write_all(fd, [struct.pack("<Q", len(head)), head, *(_raw(t) for t in tensors.values())])
+    finally:
+        os.close(fd)
+    try:
+        for rid in index:
+            os.link(tmp, capture_path(directory, rid))
+    finally:
+        os.unlink(tmp)

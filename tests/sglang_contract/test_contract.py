@@ -848,22 +848,40 @@ def test_an_engine_without_a_loop_is_refused(target_dir):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_hook_files_are_safetensors_both_ways(tmp_path, dtype):
-    """The hook writes safetensors by hand (no extra copies) and the engine maps them (no copy):
-    safetensors' own reader reads the hook's files, and the engine reads safetensors' own files."""
+    """The hook writes one safetensors file per batch by hand (no extra copies), linked once per
+    request, and the engine maps it (no copy) and takes the request's rows: safetensors' own reader
+    reads the hook's files, and the engine reads safetensors' own files."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from eagle3_ray.engines.sglang_hooks import _write_one
+    from eagle3_ray.engines.sglang_hooks import write_linked
 
     aux, last = torch.randn(5, 12).to(dtype), torch.randn(5, 4).to(dtype)
-    _write_one(tmp_path / "a.safetensors", aux, last, 3)
-    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+    write_linked(tmp_path, [("a", 2, 0), ("b", 3, 0)], aux, last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]  # no temporary left
+    assert capture_path(tmp_path, "a").stat().st_nlink == 2  # one file, two links
+    with safe_open(str(capture_path(tmp_path, "b")), "pt") as f:
         assert torch.equal(f.get_tensor("aux_hidden"), aux) and torch.equal(f.get_tensor("last_hidden"), last)
-        assert f.metadata() == {"prefix_len": "3"}
-    save_file({"aux_hidden": aux, "last_hidden": last}, str(tmp_path / "b.safetensors"), metadata={"prefix_len": "0"})
-    cap = sg.read_capture(tmp_path / "b.safetensors", 5, hidden_size=4)
+        assert json.loads(f.metadata()["requests"]) == {"a": [0, 2, 0], "b": [2, 3, 0]}
+    cap = sg.read_capture(capture_path(tmp_path, "b"), 3, hidden_size=4)
+    assert torch.equal(cap.aux_hidden, aux[2:]) and torch.equal(cap.last_hidden, last[2:])
+    cap = sg.read_capture(capture_path(tmp_path, "a"), 2, hidden_size=4)
+    assert torch.equal(cap.aux_hidden, aux[:2]) and torch.equal(cap.last_hidden, last[:2])
+    assert list(tmp_path.iterdir()) == []
+    save_file({"aux_hidden": aux, "last_hidden": last}, str(tmp_path / "c.safetensors"),
+              metadata={"requests": json.dumps({"c": [0, 5, 0]})})
+    cap = sg.read_capture(tmp_path / "c.safetensors", 5, hidden_size=4)
     assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
-    assert not list(tmp_path.glob("b*"))
+    assert not list(tmp_path.glob("c*"))
+
+
+def test_a_capture_file_without_the_request_is_refused(tmp_path):
+    from eagle3_ray.engines.sglang_hooks import write_linked
+
+    write_linked(tmp_path, [("a", 2, 0)], torch.randn(2, 12), torch.randn(2, 4))
+    capture_path(tmp_path, "a").rename(capture_path(tmp_path, "z"))  # a link whose name is not in the file
+    with pytest.raises(EngineError, match="holds no rows of request z"):
+        sg.read_capture(capture_path(tmp_path, "z"), 2, hidden_size=4)
 
 
 def test_several_writer_threads_write_every_request_and_flush_waits_for_all(tmp_path):
