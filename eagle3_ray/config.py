@@ -29,7 +29,8 @@ class SGLangConfig(_Section):
     nnodes: int = Field(1, ge=1, description="Nodes one tensor-parallel engine spans.")
     dist_init_addr: str | None = Field(None, description="host:port shared by the nodes of one engine.")
     capture_dir: str = Field(
-        "/dev/shm", description="Node-local dir where TP rank 0 writes captured features for the engine actor."
+        "/dev/shm", description="Node-local dir where TP rank 0 writes captured features for the engine actor "
+        "(a filesystem with hard links, checked at start: a tmpfs such as /dev/shm)."
     )
     extra_engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,

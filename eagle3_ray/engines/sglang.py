@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import struct
 import tempfile
@@ -327,6 +328,23 @@ def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
     return Capture(aux_hidden=aux, last_hidden=last)
 
 
+def check_hard_links(directory: Path) -> None:
+    """The hook links each batch's file once per request (sglang_hooks.write_linked): refuse a
+    ``target.sglang.capture_dir`` whose filesystem cannot, before SGLang starts."""
+    probe = directory / ".link-check"
+    probe.touch()
+    try:
+        os.link(probe, directory / ".link-check-2")
+    except OSError as e:
+        raise ConfigError(
+            f"target.sglang.capture_dir={directory.parent}: its filesystem does not support hard links ({e}), "
+            "which the capture hook needs; use a node-local tmpfs such as /dev/shm"
+        ) from e
+    finally:
+        for p in (probe, directory / ".link-check-2"):
+            p.unlink(missing_ok=True)
+
+
 # The hook's writer thread lands a request's file shortly after SGLang answers it; this long
 # without the file (and with the engine alive) means the hook did not run.
 CAPTURE_WAIT_S = 120.0
@@ -414,6 +432,11 @@ class SGLangEngine:
         if self._root is not None:  # a fresh directory per engine: a dead engine's files stay behind
             self._root.mkdir(parents=True, exist_ok=True)
             self._dir = Path(tempfile.mkdtemp(prefix="eagle3_ray_capture_", dir=self._root))
+            try:
+                check_hard_links(self._dir)
+            except ConfigError:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
         kwargs = self._kwargs()
         check_server_args(kwargs)
         before = live_children()

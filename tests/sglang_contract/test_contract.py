@@ -846,6 +846,22 @@ def test_an_engine_without_a_loop_is_refused(target_dir):
         sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate", engine_factory=lambda **kw: NoLoop())
 
 
+def test_a_capture_dir_without_hard_links_is_refused_before_sglang_starts(target_dir, tmp_path, monkeypatch):
+    """The hook links each batch's file once per request; a filesystem without hard links (os.link
+    made to fail here, as such a filesystem's does) stops the engine before SGLang is built."""
+    import errno
+
+    def no_links(src, dst, *a, **kw):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    built = []
+    monkeypatch.setattr(sg.os, "link", no_links)
+    cfg = _target(target_dir, tp_size=1, sglang={"capture_dir": str(tmp_path / "cap")})
+    with pytest.raises(ConfigError, match="does not support hard links.*/dev/shm"):
+        sg.SGLangEngine(cfg, mode="capture", engine_factory=lambda **kw: built.append(kw))
+    assert built == [] and list((tmp_path / "cap").iterdir()) == []  # nothing started, nothing left
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_hook_files_are_safetensors_both_ways(tmp_path, dtype):
     """The hook writes one safetensors file per batch by hand (no extra copies), linked once per
