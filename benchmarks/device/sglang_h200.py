@@ -16,6 +16,9 @@ there with its traceback while the next ones still run):
               HF chain decoding with the same drafter, on the same MT-bench / demo-eval turns
 
     python3 benchmarks/device/sglang_h200.py convert capture --target /tmp/smollm2 --out $OUT
+    # on nvidia-h200-x2 (issue 17 item 8): tp 2 against tp 1 and HF on the same ids
+    python3 benchmarks/device/sglang_h200.py make8b capture --target /dev/shm/llama8b --random-ids --seq 2048 \
+        --samples 4 --no-fp32 --tp 2 --tag _tp2 --out $OUT
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def step_capture(a) -> dict:
         seqs = [torch.randint(0, vocab, (a.seq,), generator=g).tolist() for _ in range(a.samples)]
     else:
         seqs = demo_ids(model, a.samples)
-    cfg = target_cfg(model, "sglang", mem_fraction_static=0.6)
+    cfg = target_cfg(model, "sglang", mem_fraction_static=0.6).model_copy(update={"tp_size": a.tp})
     t = time.perf_counter()
     sgl = SGLangEngine(cfg, mode="capture")
     started = time.perf_counter() - t
@@ -129,6 +132,13 @@ def step_capture(a) -> dict:
         info = sgl.info
     finally:
         sgl.close()
+    tp1 = None
+    if a.tp > 1:  # issue 17 item 8: the same ids captured by a tensor-parallel engine and by one GPU
+        sgl1 = SGLangEngine(cfg.model_copy(update={"tp_size": 1}), mode="capture")
+        try:
+            tp1 = sgl1.capture(seqs)
+        finally:
+            sgl1.close()
     kwargs = engine_kwargs(cfg, "capture", info=info, capture_dir="/dev/shm/x")
     hf = HFEngine(target_cfg(model, "hf"), batch_tokens=16384)
     want = hf.capture(seqs)
@@ -140,12 +150,14 @@ def step_capture(a) -> dict:
         hf32.close()
     torch.cuda.empty_cache()
     return {
-        "target": model, "samples": len(seqs), "tokens": sum(map(len, seqs)), "aux_layers": info.aux_layers,
+        "target": model, "tp_size": a.tp, "samples": len(seqs), "tokens": sum(map(len, seqs)),
+        "aux_layers": info.aux_layers,
         "hidden_size": info.hidden_size, "sglang_start_s": started,
         "forward_hooks": [h["target_modules"] for h in kwargs["forward_hooks"]],
         "rel_err_sglang_vs_hf_bf16": per_layer(got, want, info.hidden_size),
         "rel_err_hf_bf16_vs_hf_fp32": per_layer(want, want32, info.hidden_size) if want32 else None,
         "rel_err_sglang_vs_hf_fp32": per_layer(got, want32, info.hidden_size) if want32 else None,
+        "rel_err_tp_vs_tp1": per_layer(got, tp1, info.hidden_size) if tp1 else None,
     }
 
 
@@ -323,6 +335,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--random-ids", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="capture: SGLang's tp_size; above 1 the same ids are also "
+                   "captured at tp 1 and compared (rel_err_tp_vs_tp1)")
     p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 yardstick")
     p.add_argument("--per-batch", type=int, default=16)
     p.add_argument("--batches", type=int, default=6)
