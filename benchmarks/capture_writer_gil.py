@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -54,13 +55,12 @@ def _batch(requests: int, rows: int, hidden: int, seed: int):
     return aux, last
 
 
-def _spin_until(cond) -> int:
+def _spin_until(cond) -> None:
     """Pure Python work until ``cond()`` (a scheduler loop with nothing to block on)."""
     spins = 0
     while not cond():
         for _ in range(1000):
             spins += 1
-    return spins
 
 
 def measure(module, directory: Path, batches, requests: int, rows: int, spin: bool) -> dict:
@@ -126,7 +126,7 @@ def main() -> None:
         **({"this_over_baseline_spin": med["this_spin"] / med["baseline_spin"],
             "this_over_baseline_idle": med["this_idle"] / med["baseline_idle"]} if a.baseline else {}),
         "switch_interval_s": sys.getswitchinterval(), "runs": runs, "args": vars(a),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, {__import__('os').cpu_count()} CPUs",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, {os.cpu_count()} CPUs",
         "command": "python " + " ".join(sys.argv),
     }
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))

@@ -161,11 +161,8 @@ def _rate(fn, batches, threads: int = 1) -> dict:
     """Tokens/s over every batch after the first, ``threads`` calls in flight. Untimed warm-up: the
     first batch ``threads`` times at once, so the host buffers those calls need (pinned blocks in the
     scheduler process) exist before the timing, whichever measurement comes first on an engine."""
-    if threads == 1:
-        fn(batches[0])
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(fn, [batches[0]] * threads))
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fn, [batches[0]] * threads))
     t = time.perf_counter()
     if threads == 1:
         for b in batches[1:]:
