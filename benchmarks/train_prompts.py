@@ -10,6 +10,11 @@ the prompts get a second user turn, a generic follow-up (written here, not taken
 benchmark), so the drafter also sees answers conditioned on an earlier exchange, as in MT-bench's
 second turns. GSM8K train is 7,473 of the 10,542 prompts; ``--max-gsm8k N`` keeps a seeded N of them
 (the rest of the set is chat of many kinds, as MT-bench is). Output: one ``{"id", "turns": [...]}`` line per prompt, shuffled (seeded).
+
+``--eval-only-mt-bench`` appends MT-bench's 80 questions (both turns) as ``mtbench-<question_id>``, for a
+run that holds them out of training whole (``train.eval_only``): the target answers them with the rest,
+and every held-out evaluation of the training reports the drafter's simulated tau on those answers
+(``benchmarks/device/product7_extra.txt`` names the groups). They are never trained on.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--two-turn", type=float, default=0.3, help="fraction of prompts given a follow-up turn")
     ap.add_argument("--max-gsm8k", type=int, default=None, metavar="N",
                     help="keep at most N GSM8K train prompts (a seeded choice; default: all)")
+    ap.add_argument("--eval-only-mt-bench", action="store_true",
+                    help="append MT-bench's questions as mtbench-<id>, for train.eval_only (never trained on)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.max_gsm8k is not None and a.max_gsm8k < 0:
@@ -110,9 +117,13 @@ def main(argv=None) -> int:
     for r in rows[: int(a.two_turn * len(rows))]:
         r["turns"].append(rng.choice(FOLLOW_UPS))
     rng.shuffle(rows)
+    if a.eval_only_mt_bench:
+        rows += [{"id": f"mtbench-{int(r['question_id'])}", "turns": [t.strip() for t in r["turns"]]}
+                 for r in _lines(data / "mt_bench.jsonl")]
     Path(a.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     print(json.dumps({"prompts": len(rows), "gsm8k": sum(r["id"].startswith("gsm8k-") for r in rows),
                       "two_turn": sum(len(r["turns"]) == 2 for r in rows),
+                      "mt_bench_eval_only": sum(r["id"].startswith("mtbench-") for r in rows),
                       "dropped_held_out_or_duplicate": dropped, "out": a.out}))
     return 0
 

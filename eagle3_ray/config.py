@@ -8,11 +8,12 @@ output (``save_resolved``).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3_ray.atomic import write_text
 from eagle3_ray.errors import ConfigError
@@ -197,6 +198,18 @@ class TrainConfig(_Section):
         "by `seed`); their simulated tau (val_tau, val_acc_0, val_loss in metrics.jsonl) shows over-fitting "
         "as it happens. Offline mode only."
     )
+    val_groups: dict[str, str] = Field(
+        default_factory=dict, description="Named groups of samples, {name: regex}: a sample belongs to the first "
+        "group whose regex matches its whole id (generate's copies are <id>#s<k>). Every held-out evaluation "
+        "also reports each group's held-out samples apart (val_tau/<name>, val_tau_chain3/<name>, "
+        "val_acc_0/<name>, val_tokens/<name> in metrics.jsonl). Offline mode only."
+    )
+    eval_only: list[str] = Field(
+        default_factory=list, description="Groups of val_groups never trained on: all their samples are held out "
+        "(val_share then splits the rest) and left out of the vocab map's token counts. For an evaluation set "
+        "answered by the target with the training data, e.g. MT-bench's questions added to --data: its "
+        "simulated tau at every evaluation, the tau-against-tokens curve of that set (docs/drafter.md)."
+    )
     eval_every: int = Field(
         200, ge=1, description="Optimizer steps between held-out evaluations (at the first logged step at or "
         "after each multiple, and at the last step)."
@@ -229,6 +242,28 @@ class TrainConfig(_Section):
     init_from: str | None = Field(None, description="Exported drafter dir to finetune (default: from scratch).")
     seed: int = 0
     drafter: DrafterShape = Field(default_factory=DrafterShape)
+
+    @field_validator("val_groups")
+    @classmethod
+    def _group_patterns(cls, groups: dict[str, str]) -> dict[str, str]:
+        for name, pattern in groups.items():
+            if not name or "/" in name:
+                raise ValueError(f"group name {name!r}: give a non-empty name without '/' (metrics are "
+                                 "named val_tau/<name>)")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"group {name!r}: {pattern!r} is not a regular expression ({e}); a group is "
+                                 "{name: regex matching whole sample ids}, e.g. {mt_bench: 'mtbench-.*'}") from None
+        return groups
+
+    @model_validator(mode="after")
+    def _eval_only_groups(self) -> "TrainConfig":
+        unknown = [g for g in self.eval_only if g not in self.val_groups]
+        if unknown:
+            raise ValueError(f"eval_only names {unknown}, which train.val_groups does not define "
+                             f"({sorted(self.val_groups) or 'none'}); define each as val_groups.<name>=<regex>")
+        return self
 
 
 class PromptSetEntry(_Section):

@@ -131,6 +131,10 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     if cfg.train.val_share:
         raise ConfigError(f"train.val_share={cfg.train.val_share} holds samples out of an offline feature store; "
                           f"train.mode={cfg.train.mode} streams every prepared sample: set train.val_share=0")
+    if cfg.train.val_groups or cfg.train.eval_only:
+        raise ConfigError(f"train.val_groups / train.eval_only group the held-out samples of an offline feature "
+                          f"store; train.mode={cfg.train.mode} streams every prepared sample and evaluates none: "
+                          "drop them (or train offline)")
     if hybrid and features is None:
         raise ConfigError("train.mode=hybrid writes the feature store during epoch 0: pass its directory")
     t0 = time.monotonic()

@@ -124,3 +124,21 @@ def test_product_report_takes_the_logged_training_tokens(tmp_path):
     got = json.loads(out.read_text())
     assert got["tokens_from"] == "metrics" and got["train_tokens"] == 12340 and got["tokens_per_step"] == 1234
     assert [p["train_tokens"] for p in got["curve"]] == [1234 * s for s in range(1, 11)]
+
+
+def test_product_report_keeps_each_groups_held_out_curve(tmp_path):
+    """train.val_groups rows: each group's val_tau/<g> and val_tau_chain3/<g> stay in the curve, and the
+    last evaluation's are the final figures by group."""
+    rows = _rows(10, tokens_per_step=100)
+    for r in rows:
+        if "val_tau" in r:
+            r.update({"val_tau_chain3": 1.5, "val_tau/mt_bench": 1.4 + 0.01 * r["step"],
+                      "val_tau_chain3/mt_bench": 1.3 + 0.01 * r["step"]})
+    out = tmp_path / "out.json"
+    product_report.main(["--run", str(_run_dir(tmp_path, rows)), "--json", str(out)])
+    got = json.loads(out.read_text())
+    evaluated = [p for p in got["curve"] if p.get("val_tau") is not None]
+    assert evaluated and all(p["val_tau_chain3/mt_bench"] == pytest.approx(1.3 + 0.01 * p["step"]) for p in evaluated)
+    last = evaluated[-1]["step"]
+    assert got["held_out_final_by_group"] == {"val_tau/mt_bench": pytest.approx(1.4 + 0.01 * last),
+                                              "val_tau_chain3/mt_bench": pytest.approx(1.3 + 0.01 * last)}

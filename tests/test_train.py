@@ -21,8 +21,10 @@ ZERO_STAGE = load_config("configs/kimi-k2.5.yaml").train.zero_stage
 # the same run; a Ray Train run costs ~30-40 s here) and test_compact_train.py's fp8 comparison:
 # conftest.py's session fixture `trained_4_steps`. Two ranks: with one, ZeRO's gradient and
 # optimizer-state partitions would be the whole model.
+# Two named groups of samples, one of them evaluation-only (never trained on): held-out metrics per group.
+GROUPS = ['train.val_groups={late: "ci-1[0-2]", early: "ci-0[1-6]"}', "train.eval_only=[late]"]
 TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
-           "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}"]
+           "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}", *GROUPS]
 
 
 def _metrics(out):
@@ -127,15 +129,58 @@ def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci
     cfg = load_config(CI_CONFIG, TRAIN_4)
     job, packs, store, val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "plan")
     held = {i for p in val_packs for i in p.samples}
-    assert len(held) == round(0.25 * len(store)) and job.val_packs == len(val_packs)
+    late = {i for i, sid in enumerate(store.sample_ids) if sid in ("ci-10", "ci-11", "ci-12")}
+    # the eval-only group whole, then the share of the other 9 samples
+    assert late <= held and len(held - late) == round(0.25 * (len(store) - 3)) and job.val_packs == len(val_packs)
     assert not held & {i for p in packs for i in p.samples}
+    assert set(job.val_pack_groups.values()) <= {"late", "early"} and "late" in job.val_pack_groups.values()
+    for p in val_packs:  # a pack holds one group's samples (or ungrouped ones) only
+        want = job.val_pack_groups.get(p.key)
+        assert all((want == "late") == (i in late) for i in p.samples)
     lines = _metrics(out)
     assert [m["step"] for m in lines if "val_tau" in m] == [2, 4]  # every 2 steps, and the last one
     m = lines[-1]
     assert 1.0 <= m["val_tau"] <= 1 + cfg.train.ttt_steps and m["val_loss"] > 0
+    assert 1.0 <= m["val_tau_chain3"] <= m["val_tau"]  # served, and over 3 drafts of the ttt_steps
     # every held-out pack, once, at each evaluation: the first reads the shard, the second replays it
     assert [e["val_tokens"] for e in lines if "val_tau" in e] == [sum(p.tokens for p in val_packs)] * 2
-    assert read_train_state(out / ckpt)["identity"]["val_share"] == 0.25
+    # each group's figures over its own packs: the eval-only group's tokens are its samples' tokens
+    assert m["val_tokens/late"] == sum(int(store.lengths[i]) for i in late)
+    groups = {k.split("/", 1)[1] for k in m if k.startswith("val_tau/")}
+    assert groups == set(job.val_pack_groups.values())
+    for g in groups:
+        assert 1.0 <= m[f"val_tau/{g}"] <= 1 + cfg.train.ttt_steps and m[f"val_tau_chain3/{g}"] <= m[f"val_tau/{g}"]
+    ungrouped = sum(p.tokens for p in val_packs if p.key not in job.val_pack_groups)
+    assert sum(m[f"val_tokens/{g}"] for g in groups) + ungrouped == m["val_tokens"]
+    # the overall figure is the token-weighted mean of the parts (ungrouped packs included)
+    if not ungrouped:
+        assert m["val_tau"] == pytest.approx(sum(m[f"val_tau/{g}"] * m[f"val_tokens/{g}"] for g in groups)
+                                             / m["val_tokens"])
+    identity = read_train_state(out / ckpt)["identity"]
+    assert identity["val_share"] == 0.25 and identity["eval_only"] == {"late": "ci-1[0-2]"}
+
+
+def test_eval_only_groups_must_exist_and_match_and_leave_something_to_train(ci_tiny_inputs, tmp_path):
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.trainer import plan_training
+
+    with pytest.raises(ConfigError, match="val_groups does not define"):
+        load_config(CI_CONFIG, ["train.eval_only=[mt_bench]"])
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load_config(CI_CONFIG, ['train.val_groups={mt_bench: "mtbench-("}'])
+    features, vocab = ci_tiny_inputs / "features", ci_tiny_inputs / "vocab"
+    nothing = load_config(CI_CONFIG, ['train.val_groups={mt_bench: "mtbench-.*"}', "train.eval_only=[mt_bench]"])
+    with pytest.raises(ConfigError, match="matches no sample id"):
+        plan_training(nothing, features, vocab, tmp_path / "a")
+    everything = load_config(CI_CONFIG, ['train.val_groups={all: "ci-.*"}', "train.eval_only=[all]"])
+    with pytest.raises(ConfigError, match="nothing of .* is left to train on"):
+        plan_training(everything, features, vocab, tmp_path / "b")
+    # groups without eval_only change nothing of what is trained on, nor the run's identity
+    plain = plan_training(load_config(CI_CONFIG, ["train.val_share=0.25"]), features, vocab, tmp_path / "c")
+    grouped = plan_training(load_config(CI_CONFIG, ["train.val_share=0.25", 'train.val_groups={x: "ci-0.*"}']),
+                            features, vocab, tmp_path / "d")
+    assert plain[1] == grouped[1] and plain[0].identity == grouped[0].identity
+    assert sorted(i for p in plain[3] for i in p.samples) == sorted(i for p in grouped[3] for i in p.samples)
 
 
 def test_online_training_refuses_a_held_out_share(tmp_path):
@@ -144,6 +189,9 @@ def test_online_training_refuses_a_held_out_share(tmp_path):
 
     cfg = load_config(CI_CONFIG, ["train.mode=online", "train.val_share=0.1"])
     with pytest.raises(ConfigError, match="train.val_share=0"):
+        run_online_training(cfg, tmp_path / "prepared", tmp_path / "vocab", tmp_path / "out")
+    cfg = load_config(CI_CONFIG, ["train.mode=online", *GROUPS])
+    with pytest.raises(ConfigError, match="evaluates none"):
         run_online_training(cfg, tmp_path / "prepared", tmp_path / "vocab", tmp_path / "out")
 
 

@@ -369,6 +369,18 @@ def test_served_tau_counts_targets_outside_the_draft_vocab_as_misses():
         served += chain
     assert m["tau_served"] == pytest.approx(served)
     assert m["tau_served"] < m["tau"]
+    assert m["tau_chain3"] == m["tau_served"]  # three TTT steps: the chain(3) figure is the served one
+
+
+def test_tau_chain3_is_served_tau_over_the_first_three_drafts_only():
+    from eagle3_ray.drafter.ttt import _metrics
+
+    # (ce, acc, count, served_acc) of 5 TTT steps
+    stats = [[1.0, 0.8, 100, 0.5], [1.0, 0.7, 90, 0.6], [1.0, 0.6, 80, 0.5], [1.0, 0.5, 70, 0.9], [1.0, 0.4, 60, 0.9]]
+    m = _metrics(stats, 0.8)
+    assert m["tau_chain3"] == pytest.approx(1 + 0.5 + 0.5 * 0.6 + 0.5 * 0.6 * 0.5)
+    assert m["tau_served"] == pytest.approx(m["tau_chain3"] + 0.15 * 0.9 + 0.15 * 0.9 * 0.9)
+    assert _metrics(stats[:2], 0.8)["tau_chain3"] == pytest.approx(1 + 0.5 + 0.3)  # fewer steps: all of them
 
 
 def test_window_metrics_are_the_mean_of_each_steps_metrics():

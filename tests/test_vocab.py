@@ -126,3 +126,22 @@ def test_data_fingerprint_is_the_samples_ids_and_lengths_in_any_order():
     assert fp == hashlib.sha256(b"a:3;b:7;").hexdigest()[:16]
     assert fp == data_fingerprint(["a", "b"], [3, 7])  # prepared data, other order
     assert len({fp, data_fingerprint(["a", "b"], [3, 8]), data_fingerprint(["a", "c"], [3, 7])}) == 3
+
+
+def test_eval_only_samples_stay_out_of_the_vocab_counts(ci_tiny_inputs, tmp_path):
+    """train.eval_only groups are evaluation data: `eagle3-ray vocab` counts every other sample's
+    loss tokens, exactly, and the map's fingerprint differs from the one over all samples."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.extract.vocab_stage import run_vocab
+    from eagle3_ray.features import open_store
+
+    cfg = load_config("configs/ci-tiny.yaml", ['train.val_groups={late: "ci-1[0-2]"}', "train.eval_only=[late]"])
+    features = ci_tiny_inputs / "features"
+    path = run_vocab(cfg, features, tmp_path / "vocab")
+    _, _, meta = load_vocab_map(path)
+    _, _, full = load_vocab_map(ci_tiny_inputs / "vocab" / "vocab_map.safetensors")
+    store = open_store(features)
+    kept = [i for i, sid in enumerate(store.sample_ids) if sid not in ("ci-10", "ci-11", "ci-12")]
+    assert len(kept) == len(store) - 3 and meta["eval_only_samples"] == 3
+    assert meta["loss_tokens"] == sum(int(torch.as_tensor(store[i]["loss_mask"]).sum()) for i in kept)
+    assert meta["loss_tokens"] < full["loss_tokens"] and meta["fingerprint"] != full["fingerprint"]

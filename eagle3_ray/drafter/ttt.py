@@ -61,29 +61,33 @@ def mean_metrics(stats: list[torch.Tensor], loss_decay: float) -> dict[str, floa
     return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
 
 
+HELD_OUT_SUMS = ("loss", "tau", "acc_0", "tau_chain3")  # token-weighted columns of held_out_sums, then tokens
+
+
 def held_out_sums(drafter: torch.nn.Module, batches, forward) -> torch.Tensor:
-    """float64 [loss, tau, acc_0 (each x tokens), tokens] summed over ``batches`` of (batch, tokens),
-    each run through ``forward(batch) -> TTTOutput`` without gradients, the drafter in eval mode
-    (its mode is restored). Sums, so that ranks can add theirs before `held_out_metrics`."""
-    sums = torch.zeros(4, dtype=torch.float64)
+    """float64 [loss, tau, acc_0, tau_chain3 (each x tokens), tokens] summed over ``batches`` of (batch,
+    tokens), each run through ``forward(batch) -> TTTOutput`` without gradients, the drafter in eval
+    mode (its mode is restored). Sums, so that ranks (and packs of a group) can add theirs before
+    `held_out_metrics`."""
+    sums = torch.zeros(len(HELD_OUT_SUMS) + 1, dtype=torch.float64)
     was_training = drafter.training
     drafter.eval()
     try:
         with torch.no_grad():
             for batch, tokens in batches:
                 m = forward(batch).metrics
-                sums += torch.tensor([m["loss"] * tokens, m["tau"] * tokens, m["acc_0"] * tokens, tokens],
-                                     dtype=torch.float64)
+                sums += torch.tensor([m[k] * tokens for k in HELD_OUT_SUMS] + [tokens], dtype=torch.float64)
     finally:
         drafter.train(was_training)
     return sums
 
 
-def held_out_metrics(sums: torch.Tensor) -> dict[str, float]:
-    """Token-weighted val_loss, val_tau, val_acc_0 and val_tokens from `held_out_sums`."""
-    n = max(float(sums[3]), 1.0)
-    return {"val_loss": float(sums[0]) / n, "val_tau": float(sums[1]) / n, "val_acc_0": float(sums[2]) / n,
-            "val_tokens": int(sums[3])}
+def held_out_metrics(sums: torch.Tensor, suffix: str = "") -> dict[str, float]:
+    """Token-weighted val_loss, val_tau, val_acc_0, val_tau_chain3 and val_tokens from `held_out_sums`,
+    each name followed by ``suffix`` (a group's "/<name>")."""
+    n = max(float(sums[-1]), 1.0)
+    out = {f"val_{k}{suffix}": float(sums[i]) / n for i, k in enumerate(HELD_OUT_SUMS)}
+    return out | {f"val_tokens{suffix}": int(sums[-1])}
 
 
 def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -372,7 +376,9 @@ def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:
 
     ``tau_served`` uses accuracies that count targets outside the draft vocab as misses, as real
     decoding does, and so tracks real chain acceptance more closely than ``tau``
-    (benchmarks/results/tau_consistency_cpu.md).
+    (benchmarks/results/tau_consistency_cpu.md). ``tau_chain3`` is ``tau_served`` over the first
+    three drafts only: the simulated counterpart of the bench's chain(3) tau (``tau`` runs over all
+    ``ttt_steps`` drafts, more than a chain of 3 can accept).
     """
     out = {"loss": sum(loss_decay**i * ce for i, (ce, *_) in enumerate(stats))}
     tau, chain, served, served_chain = 1.0, 1.0, 1.0, 1.0
@@ -382,6 +388,8 @@ def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:
         tau += chain
         served_chain *= served_acc
         served += served_chain
+        if i == min(2, len(stats) - 1):
+            out["tau_chain3"] = served
     out["tau"] = tau
     out["tau_served"] = served
     out["tokens"] = stats[0][2]

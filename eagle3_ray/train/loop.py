@@ -24,7 +24,7 @@ from eagle3_ray.config import TrainConfig
 from eagle3_ray.data.vocab import load_vocab_map
 from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_ray.drafter.ttt import TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.drafter.ttt import HELD_OUT_SUMS, TTTOutput, held_out_metrics, mean_metrics
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
@@ -53,6 +53,7 @@ class TrainJob:
     storage: str | None = None  # Ray Train's storage: searched for a newer checkpoint at every restore (Trainer.restore)
     val_packs: int = 0  # held-out packs in all (train.val_share), 0 = no evaluation
     val_datasets: list[str] = field(default_factory=list)  # "val_<rank>" of the ranks with held-out packs
+    val_pack_groups: dict[str, str] = field(default_factory=dict)  # held-out pack key -> its train.val_groups name
 
 
 def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
@@ -263,12 +264,23 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over this rank's share of the held-out packs (none when it has none),
-        summed over the ranks (on the host gloo group) before the token-weighted means."""
+        summed over the ranks (on the host gloo group) before the token-weighted means; with
+        train.val_groups, each group's too ("val_tau/<name>", ...)."""
         rows = self.val_rows if self.val_rows is not None else ()
-        sums = self.train_step.held_out_sums(self._convert(row) for row in rows)
+        of = self.job.val_pack_groups
+        names = sorted(set(of.values()))
+        sums = torch.zeros(1 + len(names), len(HELD_OUT_SUMS) + 1, dtype=torch.float64)  # all, then each group
+        for row in rows:
+            s = self.train_step.held_out_sums([self._convert(row)])
+            sums[0] += s
+            if (name := of.get(str(row["key"]))) is not None:
+                sums[1 + names.index(name)] += s
         if self.vote_group is not None:
             torch.distributed.all_reduce(sums, group=self.vote_group)
-        return held_out_metrics(sums)
+        m = held_out_metrics(sums[0])
+        for i, name in enumerate(names):
+            m |= held_out_metrics(sums[1 + i], suffix=f"/{name}")
+        return m
 
     def save(self, metrics: dict[str, float]) -> None:
         """Report a checkpoint of the current step: DeepSpeed state (every rank), each rank's consumed
@@ -359,8 +371,10 @@ class Trainer:
         say(f"[train] step {m['step']}/{self.max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
             f"(served {m['tau_served']:.2f}) acc [{accs}] "
             f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
-            + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} acc0 {m['val_acc_0']:.2f}"
-               if "val_tau" in m else ""))
+            + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} (chain3 {m['val_tau_chain3']:.2f}) "
+               f"acc0 {m['val_acc_0']:.2f}" if "val_tau" in m else "")
+            + "".join(f"; {k[len('val_tau/'):]} tau {v:.2f} (chain3 {m['val_tau_chain3/' + k[len('val_tau/'):]]:.2f})"
+                      for k, v in m.items() if k.startswith("val_tau/")))
 
     def _convert(self, row: dict) -> tuple[dict[str, torch.Tensor], int]:
         """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""

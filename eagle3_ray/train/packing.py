@@ -86,6 +86,28 @@ def holdout_groups(groups: Sequence, share: float, seed: int) -> tuple[np.ndarra
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
+def plan_held_out(lengths: np.ndarray, held: np.ndarray, groups: Sequence[str | None], batch_tokens: int,
+                  seed: int) -> tuple[list[Pack], dict[str, str]]:
+    """One epoch of packs over the held-out samples ``held`` (store indices), each pack within one
+    group (``groups[i]``: sample i's group or None), numbered in one sequence so that keys are unique;
+    and {pack key: group name} of the packs of named groups. Without named groups: the plain plan of
+    ``held``."""
+    lengths = np.asarray(lengths)
+    names = sorted({groups[i] for i in held if groups[i] is not None})
+    if not names:
+        return (remap(plan(lengths[held], batch_tokens, 1, seed), held) if len(held) else []), {}
+    packs: list[Pack] = []
+    of: dict[str, str] = {}
+    for name in [None, *names]:
+        idx = np.asarray([i for i in held if groups[i] == name], dtype=np.int64)
+        for p in remap(plan(lengths[idx], batch_tokens, 1, seed), idx) if len(idx) else []:
+            pack = Pack(0, len(packs), p.samples, p.tokens)
+            packs.append(pack)
+            if name is not None:
+                of[pack.key] = name
+    return packs, of
+
+
 def remap(packs: list[Pack], indices: np.ndarray) -> list[Pack]:
     """Packs planned over ``lengths[indices]`` -> the same packs over the full index space."""
     return [Pack(p.epoch, p.index, tuple(int(indices[i]) for i in p.samples), p.tokens) for p in packs]

@@ -182,7 +182,7 @@ class TrainStep:
         return held_out_sums(self.engine.module, batches, self.forward)
 
     def evaluate(self, batches: Iterable[tuple[dict[str, torch.Tensor], int]]) -> dict[str, float]:
-        """val_loss, val_tau, val_acc_0, val_tokens over (batch, tokens) pairs, token-weighted."""
+        """val_loss, val_tau, val_acc_0, val_tau_chain3, val_tokens over (batch, tokens) pairs, token-weighted."""
         return held_out_metrics(self.held_out_sums(batches))
 
     def _autocast(self, ids: torch.Tensor):

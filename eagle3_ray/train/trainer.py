@@ -12,6 +12,7 @@ import hashlib
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.data.groups import sample_groups
 from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.engines.describe import describe_target, target_hf_config
@@ -33,7 +35,7 @@ from eagle3_ray.ray_session import check_shared_dirs
 from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
-from eagle3_ray.train.packing import holdout_groups, padding_efficiency, plan, remap
+from eagle3_ray.train.packing import holdout_groups, padding_efficiency, plan, plan_held_out, remap
 from eagle3_ray.train.step import resolve_attention, resolve_loss_kernel
 
 VOCAB_FILE = "vocab_map.safetensors"
@@ -71,23 +73,42 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     t = cfg.train
     # A prompt's answers (generate.samples_per_prompt: <id>, <id>#s1, ...) are held out together: a
     # held-out answer whose twin was trained on would inflate the held-out tau. Without copies (every
-    # base id distinct) this is the plain per-sample split of earlier runs.
-    prompts = [base_id(str(sid)) for sid in store.sample_ids]
+    # base id distinct) this is the plain per-sample split of earlier runs. Samples of the eval_only
+    # groups are all held out; the share splits the rest.
+    sample_ids = [str(sid) for sid in store.sample_ids]
+    groups = sample_groups(sample_ids, t.val_groups)
+    only = np.fromiter((g in t.eval_only for g in groups), dtype=bool, count=len(groups))
+    for name in t.eval_only:
+        if name not in groups:
+            raise ConfigError(f"train.eval_only group {name!r} ({t.val_groups[name]!r}) matches no sample id of "
+                              f"{features} (ids look like {sample_ids[:3]}); fix val_groups.{name} or drop it "
+                              "from train.eval_only")
+    rest = np.flatnonzero(~only)
+    prompts = [base_id(sample_ids[i]) for i in rest]
     keep, held = holdout_groups(prompts, t.val_share, t.seed)
+    keep, held = rest[keep], np.sort(np.concatenate([rest[held], np.flatnonzero(only)]))
     n_prompts = len(set(prompts))
-    if t.val_share > 0 and len(held) == 0:
-        raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(store)}-sample store "
+    if t.val_share > 0 and len(held) == int(only.sum()):
+        raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(rest)}-sample store "
                           f"({n_prompts} prompts; a prompt's answers are held out together); give a store of "
                           "at least 2 prompts or set train.val_share=0")
+    if len(keep) == 0:
+        raise ConfigError(f"nothing of {features} is left to train on: train.eval_only {t.eval_only} holds out "
+                          f"{int(only.sum())} of its {len(store)} samples; narrow those groups' val_groups patterns")
     data_fp = data_fingerprint(store.sample_ids, store.lengths)
     job, packs = build_job(cfg, store.lengths, data_fp, vocab, out, info, keep=keep)
-    if t.val_share and n_prompts < len(store):  # the split differs from the per-sample one of earlier code
+    if t.val_share and n_prompts < len(rest):  # the split differs from the per-sample one of earlier code
         job.identity["val_split"] = "by_prompt"
-    val_packs = remap(plan(store.lengths[held], t.batch_tokens, 1, t.seed), held) if len(held) else []
+    if t.eval_only:  # which samples are trained on depends on them
+        job.identity["eval_only"] = {g: t.val_groups[g] for g in t.eval_only}
+    val_packs, job.val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens, t.seed)
     job.val_packs = len(val_packs)
     if val_packs:
+        named = Counter(groups[i] for i in held if groups[i] is not None)
         say(f"[train] {len(held)} samples ({int(store.lengths[held].sum()):,} tokens) held out of training: "
-            f"{len(val_packs)} packs evaluated every {t.eval_every} steps")
+            f"{len(val_packs)} packs evaluated every {t.eval_every} steps"
+            + ("; by group: " + ", ".join(f"{g} {n}" + (" (eval only)" if g in t.eval_only else "")
+                                          for g, n in sorted(named.items())) if named else ""))
     return job, packs, store, val_packs
 
 
