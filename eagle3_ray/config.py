@@ -208,7 +208,7 @@ class TrainConfig(_Section):
         default_factory=list, description="Groups of val_groups never trained on: all their samples are held out "
         "(val_share then splits the rest) and left out of the vocab map's token counts. For an evaluation set "
         "answered by the target with the training data, e.g. MT-bench's questions added to --data: its "
-        "simulated tau at every evaluation, the tau-against-tokens curve of that set (docs/drafter.md)."
+        "simulated tau at every evaluation, the tau-against-tokens curve of that set (docs/pipeline.md)."
     )
     eval_every: int = Field(
         200, ge=1, description="Optimizer steps between held-out evaluations (at the first logged step at or "

@@ -65,6 +65,9 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
                             if k not in ("samples_per_prompt", "sample_temperature")}
     if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
         full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
+    for key in ("val_groups", "eval_only"):  # none: the hash of runs before the options
+        if not full["train"][key]:
+            full["train"].pop(key)
     for section, keys in UNHASHED.items():
         for key in keys:
             *inner, last = key.split(".")
@@ -73,6 +76,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
                 d = d[k]
             d.pop(last, None)
     part = {k: full[k] for k in STAGE_DEPS[stage]}
+    if stage == "vocab" and cfg.train.eval_only:  # the vocab stage leaves those groups' samples out
+        part["_eval_only"] = {g: cfg.train.val_groups[g] for g in cfg.train.eval_only}
     part["_data"] = data
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 

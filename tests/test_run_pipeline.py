@@ -95,6 +95,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
         del full["generate"][k]
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
+    del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
@@ -113,6 +114,17 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
         _stage_hash(cfg, "generate", "d")  # the target's own requests: other data
+    # evaluation-only groups change what the vocab stage counts and what is trained; groups alone only
+    # what training reports; neither touches the stages before
+    groups = ['train.val_groups={mt_bench: "mtbench-.*"}']
+    only = load_config("configs/ci-tiny.yaml", [*groups, "train.eval_only=[mt_bench]"])
+    named = load_config("configs/ci-tiny.yaml", groups)
+    for stage in ("vocab", "train", "bench"):
+        assert _stage_hash(only, stage, "d") != _stage_hash(cfg, stage, "d")
+    assert _stage_hash(named, "vocab", "d") == _stage_hash(cfg, "vocab", "d")
+    assert _stage_hash(named, "train", "d") != _stage_hash(cfg, "train", "d")
+    for stage in ("generate", "extract"):
+        assert _stage_hash(only, stage, "d") == _stage_hash(cfg, stage, "d")
 
 
 def test_a_rerun_over_edited_input_data_is_refused_before_any_stage(tmp_path):
