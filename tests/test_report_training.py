@@ -64,6 +64,19 @@ def test_the_report_tabulates_tau_against_training_tokens_and_measured_beside_si
     assert (tmp_path / "out" / TRAINING_PLOT).stat().st_size > 0
 
 
+def test_the_curve_gets_chain3_columns_for_the_held_out_set_and_each_group(tmp_path, bench_results):
+    rows = _rows(12)
+    for r in rows:
+        if "val_tau" in r:
+            r.update({"val_tau_chain3": 1.1 + 0.01 * r["step"], "val_tau_chain3/mt_bench": 1.0 + 0.02 * r["step"],
+                      "val_tau/mt_bench": 1.3})
+    text = write_report(bench_results, tmp_path / "out", _write(tmp_path / "metrics.jsonl", rows)).read_text()
+    curve = _section(text, "### Tau against training tokens")
+    assert "| step | training tokens | train simulated tau | held-out simulated tau | held-out chain(3) | mt_bench chain(3) |" in curve
+    assert "| 10 | 10,000 | 1.50 | 1.40 | 1.20 | 1.20 |" in curve and "| 5 | 5,000 | 1.25 | 1.20 | 1.15 | 1.10 |" in curve
+    assert "| 12 | 12,000 | 1.60 | – | – | – |" in curve
+
+
 def test_a_long_run_is_thinned_to_the_table_size_keeping_the_last_row(tmp_path, bench_results):
     metrics = _write(tmp_path / "metrics.jsonl", _rows(300, val_every=2))
     curve = _section(write_report(bench_results, tmp_path / "out", metrics).read_text(), "### Tau against")

@@ -357,14 +357,22 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
         f"The last of {len(rows)} logged steps. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
         "accuracies; compare it with the measured chain/tree tau above."
     )
+    # chain(3) columns where the run logged them: held-out, and each train.val_groups group
+    chain3 = [k for k in ("val_tau_chain3",) if any(k in r for r in rows)] + sorted(
+        {k for r in rows for k in r if k.startswith("val_tau_chain3/")})
     curve = _table(
-        ["step", "training tokens", "train simulated tau", "held-out simulated tau"],
-        [[str(r["step"]), _num(_tokens(r), "{:,}"), _num(r.get("tau")), _num(r.get("val_tau"))]
+        ["step", "training tokens", "train simulated tau", "held-out simulated tau",
+         *[("held-out chain(3)" if k == "val_tau_chain3" else f"{k.split('/', 1)[1]} chain(3)") for k in chain3]],
+        [[str(r["step"]), _num(_tokens(r), "{:,}"), _num(r.get("tau")), _num(r.get("val_tau")),
+          *[_num(r.get(k)) for k in chain3]]
          for r in _curve_rows(rows)],
     )
     curve_intro = (
         "Simulated tau against the training tokens the optimizer has seen (sample tokens of the packs "
         "trained on, all workers); held-out: the samples `train.val_share` keeps out of training."
+        + (" chain(3): the served simulated tau over the first three drafts (`val_tau_chain3`), the "
+           "counterpart of a measured chain(3) tau; per group of `train.val_groups` (eval-only groups "
+           "are never trained on)." if chain3 else "")
     )
     parts = [f"## Training\n\n{intro}\n\n{table}", f"### Tau against training tokens\n\n{curve_intro}\n\n{curve}"]
     measured = _measured_section(rows, results or {})
