@@ -5,8 +5,8 @@ simulated tau against the tau the benchmark measured, and the side script's curv
         [--side benchmarks/results/quality_smollm2_67k_train_lr1e-3.json] [--json out.json]
 
 Reads only what the run wrote: ``train/metrics.jsonl`` (every logged step; held-out rows carry
-``val_tau``, ``val_tau_chain3`` and, with ``train.val_groups``, each group's ``val_tau/<name>`` and
-``val_tau_chain3/<name>``, all kept in the curve; every row carries ``train_tokens``, the tokens the optimizer has seen, all workers) and
+``val_tau``, ``val_tau_chain3``, ``val_tau_walk3`` and, with ``train.val_groups``, each group's
+``val_tau/<name>``, ``val_tau_chain3/<name>`` and ``val_tau_walk3/<name>``, all kept in the curve; every row carries ``train_tokens``, the tokens the optimizer has seen, all workers) and
 ``bench/results.json``. Metrics written before the trainer logged ``train_tokens`` (e.g. the committed
 product_smollm2_h200 run) get the tokens from the trainer's plan line in the run's log instead
 ("N samples, T tokens -> P packs over E epoch(s) ...; S optimizer steps": T x E / S per optimizer
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     for r in metrics:
         tokens = train_tokens(r, per_step)
         point = {"step": r["step"], "train_tokens": tokens, "tau": r.get("tau"), "val_tau": r.get("val_tau"),
-                 **{k: v for k, v in r.items() if k.startswith(("val_tau_chain3", "val_tau/", "val_acc_0"))}}
+                 **{k: v for k, v in r.items() if k.startswith(("val_tau_chain3", "val_tau_walk3", "val_tau/",
+                                                                "val_acc_0"))}}
         if side and tokens is not None and r.get("val_tau") is not None:
             point["side_val_tau"] = interpolate(side, tokens)
         curve.append(point)
@@ -109,9 +110,12 @@ def main(argv=None) -> int:
         "measured_tau": (bench.get("tau") or {}),
         "curve": curve,
     }
-    groups = sorted({k.split("/", 1)[1] for p in curve for k in p if k.startswith("val_tau_chain3/")})
+    # chain(3) per group: walked (val_tau_walk3) where the run logged it, else the per-position mean
+    chain = "val_tau_walk3" if any("val_tau_walk3" in p for p in curve) else "val_tau_chain3"
+    groups = sorted({k.split("/", 1)[1] for p in curve for k in p if k.startswith(chain + "/")})
+    label = "walk3" if chain == "val_tau_walk3" else "chain3"
     print(f"{'step':>6} {'tokens':>12} {'train tau':>9} {'held-out tau':>12} {'side script':>11}"
-          + "".join(f" {g + ' chain3':>16}" for g in groups))
+          + "".join(f" {g + ' ' + label:>16}" for g in groups))
     for p in curve:
         if p["val_tau"] is None and p is not curve[-1]:
             continue
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
         side_tau = p.get("side_val_tau")
         print(f"{p['step']:>6} {tok:>12} {p['tau'] or 0:>9.2f} {p['val_tau'] or float('nan'):>12.2f} "
               f"{side_tau if side_tau is not None else float('nan'):>11.2f}"
-              + "".join(f" {p.get('val_tau_chain3/' + g, float('nan')):>16.2f}" for g in groups))
+              + "".join(f" {p.get(chain + '/' + g, float('nan')):>16.2f}" for g in groups))
     print(f"training tokens from {out['tokens_from']}; held-out simulated tau (final) {last_val}; "
           f"measured by bench: {out['measured_tau']}")
     if a.json:

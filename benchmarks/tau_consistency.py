@@ -1,6 +1,8 @@
 """Real vs simulated acceptance of one drafter on the same held-out text (fp32, CPU, batch 1).
 
     python benchmarks/tau_consistency.py --drafter /tmp/demo1/drafter --num-prompts 16 --max-new-tokens 64
+    python benchmarks/tau_consistency.py --drafter <drafter> --prompts mt_bench.jsonl --as-bench --num-prompts 24 \
+        --max-new-tokens 256
 
 For each held-out prompt (first turn of eagle3_ray/resources/demo_eval.jsonl, chat template):
 
@@ -22,6 +24,8 @@ For each held-out prompt (first turn of eagle3_ray/resources/demo_eval.jsonl, ch
      tokens per cycle. Equal to the real tau when training and decoding compute the same function;
    - per cycle, the real drafts are compared with the unroll's tokens at the same t (up to the
      first rejected draft, after which real decoding feeds its own wrong token).
+4. the product's walk: ``ttt_forward(walk_steps=K).walk`` (``drafter.ttt.chain_walk``, the trainer's
+   held-out ``val_tau_walk3``) on the same batch: it should give the real run's cycles and tokens.
 """
 
 from __future__ import annotations
@@ -69,7 +73,13 @@ class RecordingProposer:
         return self.inner.draft_tree(topk, depth, total_tokens)
 
 
-def first_turns(path: Path, n: int) -> list[str]:
+def first_turns(path: Path, n: int, as_bench: bool = False) -> list[str]:
+    """First turns of the first ``n`` records, or (``as_bench``) of the ``n`` prompts the bench takes
+    from the file (``bench.max_prompts``: round-robin over its categories), category by category."""
+    if as_bench:
+        from eagle3_ray.bench.prompts import load_prompt_sets
+
+        return [p.turns[0] for prompts in load_prompt_sets(str(path), n).values() for p in prompts]
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
 
@@ -164,7 +174,9 @@ def measure(engine, drafter, proposer, prompt: list[int], a_args) -> dict:
         "position_ids": torch.arange(seq.shape[0])[None], "seq_ids": torch.zeros(1, seq.shape[0], dtype=torch.long),
     }
     with torch.no_grad():
-        ttt = ttt_forward(drafter, batch, lm_head, ttt_steps=k).metrics
+        out_ttt = ttt_forward(drafter, batch, lm_head, ttt_steps=k, walk_steps=k)
+    ttt = out_ttt.metrics
+    walk_tokens, walk_cycles = (int(x) for x in out_ttt.walk.tolist())  # the product's walk (val_tau_walk3)
 
     preds = unroll(drafter, seq, aux, k)  # [K, T]
     # Same positions/denominators as ttt_forward, to show the unroll here is its loop.
@@ -232,6 +244,8 @@ def measure(engine, drafter, proposer, prompt: list[int], a_args) -> dict:
                            "walk_cycles_same_as_real": walk_starts == real_starts,
                            "real_cycles_with_other_drafts": mismatched,
                            "acc_real_rule": acc_real_rule, "sim_tau_real_rule": sim_tau(acc_real_rule)},
+        "product_walk": {"tokens": walk_tokens, "cycles": walk_cycles,
+                         "tau": walk_tokens / walk_cycles if walk_cycles else None},
         "answer_tokens_outside_draft_vocab": oov,
         "capture_argmax_agrees_with_greedy": argmax_agree,
         "seconds": {"target_generate": t_base, "chain": t_chain},
@@ -268,6 +282,11 @@ def aggregate(rows: list[dict], k: int) -> dict:
         "real_accept_hist": real_hist,
         "teacher_forced_walk_tau": walk_tau,
         "teacher_forced_walk_hist": walk_hist,
+        "product_walk_tau": sum(r["product_walk"]["tokens"] for r in rows)
+        / max(sum(r["product_walk"]["cycles"] for r in rows), 1),
+        "product_walk_same_as_real_prompts": sum(
+            r["product_walk"]["cycles"] == r["real"]["verify_steps"]
+            and r["product_walk"]["tokens"] == r["new_tokens"] - 1 for r in rows),
         "walk_cycles_same_as_real_prompts": sum(r["teacher_forced"]["walk_cycles_same_as_real"] for r in rows),
         "real_cycles_with_other_drafts": sum(r["teacher_forced"]["real_cycles_with_other_drafts"] for r in rows),
         "teacher_forced_all_positions_tau": tf_all,
@@ -322,7 +341,11 @@ def write_markdown(path: Path, res: dict) -> None:
         f"| 5. teacher-forced chain walked from the prefill token (the real cycle starts) | "
         f"**{o['teacher_forced_walk_tau']:.3f}** | |",
         f"| 6. real chain({k}) decoding: (new - 1) / verify steps | **{o['real_tau']:.3f}** | |",
+        f"| 7. the product's walk: `ttt_forward(walk_steps={k})` (the trainer's `val_tau_walk3`) | "
+        f"**{o['product_walk_tau']:.3f}** | |",
         "",
+        f"Prompts whose product walk has the real run's verify cycles and tokens: "
+        f"{o['product_walk_same_as_real_prompts']}/{o['prompts']}.",
         f"Accept histogram (0..{k} drafts accepted per verify): real {o['real_accept_hist']}, "
         f"walk {o['teacher_forced_walk_hist']}. Prompts whose walk visits exactly the real cycle starts: "
         f"{o['walk_cycles_same_as_real_prompts']}/{o['prompts']}; real cycles whose drafts differ from the TTT "
@@ -354,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--as-bench", action="store_true",
+                    help="take the prompts the bench takes (round-robin over categories), not the first ones")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-steps", type=int, default=3, help="chain K = TTT steps evaluated")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -381,7 +406,7 @@ def main(argv=None) -> int:
         f"draft vocab {drafter.config.draft_vocab_size}")
 
     prompts = [render_generation_prompt(tok, [{"role": "user", "content": p}])
-               for p in first_turns(Path(a.prompts), a.num_prompts)]
+               for p in first_turns(Path(a.prompts), a.num_prompts, a.as_bench)]
     # The wrapper only records: on the first prompt the plain drafter must give the same run.
     plain_out, plain_st = spec.generate(model, drafter, torch.tensor(prompts[0]), a.max_new_tokens,
                                         mode="chain", num_steps=a.num_steps)
@@ -392,7 +417,7 @@ def main(argv=None) -> int:
         tf = r["teacher_forced"]
         log(f"prompt {i}: {r['prompt_tokens']}+{r['new_tokens']} tok, equal {r['equal_to_greedy']}, real tau "
             f"{r['real']['tau']:.3f}, walk {tf['tau_walk']:.3f}, tf-all {tf['tau_all_positions']:.3f}, ttt_forward "
-            f"{r['ttt_forward']['tau']:.3f} "
+            f"{r['ttt_forward']['tau']:.3f}, product walk {r['product_walk']['tau'] or 0:.3f} "
             f"(acc {[round(r['ttt_forward'][f'acc_{j}'], 3) for j in range(a.num_steps)]}),"
             f" other drafts {tf['real_cycles_with_other_drafts']}/{r['real']['verify_steps']}")
     wrapper_ok = (plain_out == spec.target_generate(model, torch.tensor(prompts[0]), a.max_new_tokens)[0]

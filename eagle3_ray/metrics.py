@@ -14,6 +14,7 @@ records nothing, so the compute core and plain scripts can call these freely.
     eagle3_train_step     gauge    optimizer step
     eagle3_train_tokens_per_s / eagle3_train_input_wait  gauges, last logging window
     eagle3_train_val_tau / eagle3_train_val_loss     gauges, last held-out evaluation (train.val_share)
+    eagle3_train_val_tau_walk3  gauge  chain(3) decoding replayed over the held-out answers, last evaluation
     eagle3_bench_tau{mode}  gauge  acceptance length of a benchmark mode
 """
 
@@ -39,6 +40,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "train_input_wait": ("gauge", "Share of the last logging window the step loop waited for packs.", ()),
     "train_val_tau": ("gauge", "Simulated tau on the held-out samples (train.val_share), last evaluation.", ()),
     "train_val_loss": ("gauge", "TTT loss on the held-out samples (train.val_share), last evaluation.", ()),
+    "train_val_tau_walk3": ("gauge", "Chain(3) decoding replayed over the held-out answers: tokens per verify "
+                            "cycle, last evaluation (docs/pipeline.md).", ()),
     "bench_tau": ("gauge", "Measured acceptance length of one speculative-decoding mode.", ("mode",)),
 }
 
@@ -85,7 +88,7 @@ def record_train_step(metrics: dict[str, float], run: str, ttt_steps: int) -> No
     set_gauge("train_step", metrics["step"], run, "train")
     set_gauge("train_loss", metrics["loss"], run, "train")
     set_gauge("train_tau", metrics["tau"], run, "train")
-    for key in ("tokens_per_s", "input_wait", "val_tau", "val_loss"):
+    for key in ("tokens_per_s", "input_wait", "val_tau", "val_loss", "val_tau_walk3"):
         if key in metrics:
             set_gauge(f"train_{key}", metrics[key], run, "train")
     if "tau_served" in metrics:

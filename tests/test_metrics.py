@@ -109,8 +109,8 @@ def test_a_logged_training_step_sets_its_gauges(ray_local):
     from eagle3_ray import metrics
 
     m = {"step": 10, "loss": 3.0, "tau": 1.5, "tau_served": 1.4, "acc_0": 0.5, "acc_1": 0.3,
-         "tokens_per_s": 1234.0, "input_wait": 0.02, "val_tau": 1.3, "val_loss": 3.2}
+         "tokens_per_s": 1234.0, "input_wait": 0.02, "val_tau": 1.3, "val_loss": 3.2, "val_tau_walk3": 1.2}
     metrics.record_train_step(m, "gauges-test", ttt_steps=2)
     for name in ("train_step", "train_loss", "train_tau", "train_tau_served", "train_acc",
-                 "train_tokens_per_s", "train_input_wait", "train_val_tau", "train_val_loss"):
+                 "train_tokens_per_s", "train_input_wait", "train_val_tau", "train_val_loss", "train_val_tau_walk3"):
         assert name in metrics._cache, name

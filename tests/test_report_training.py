@@ -77,6 +77,21 @@ def test_the_curve_gets_chain3_columns_for_the_held_out_set_and_each_group(tmp_p
     assert "| 12 | 12,000 | 1.60 | – | – | – |" in curve
 
 
+def test_the_walked_chain_takes_the_chain3_columns_where_the_run_logged_it(tmp_path, bench_results):
+    rows = _rows(12)
+    for r in rows:
+        if "val_tau" in r:
+            r.update({"val_tau_chain3": 1.9, "val_tau_walk3": 1.1 + 0.01 * r["step"], "val_tau/mt_bench": 1.3,
+                      "val_tau_chain3/mt_bench": 1.9, "val_tau_walk3/mt_bench": 1.0 + 0.02 * r["step"]})
+    text = write_report(bench_results, tmp_path / "out", _write(tmp_path / "metrics.jsonl", rows)).read_text()
+    curve = _section(text, "### Tau against training tokens")
+    assert "| 10 | 10,000 | 1.50 | 1.40 | 1.20 | 1.20 |" in curve and "1.90" not in curve
+    assert "`val_tau_walk3`" in curve
+    measured = _section(text, "### Measured against simulated tau")
+    assert "held-out chain(3) walked (final)" in measured
+    assert f"| chain (K=3) | {bench_results['tau']['chain']:.2f} | 1.40 | 1.60 | 1.20 |" in measured
+
+
 def test_a_long_run_is_thinned_to_the_table_size_keeping_the_last_row(tmp_path, bench_results):
     metrics = _write(tmp_path / "metrics.jsonl", _rows(300, val_every=2))
     curve = _section(write_report(bench_results, tmp_path / "out", metrics).read_text(), "### Tau against")

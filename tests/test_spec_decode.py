@@ -3,6 +3,7 @@ as in training, tree drafting, and the sampled output distribution."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -208,6 +209,45 @@ def test_drafter_chain_is_the_training_unroll(tiny_llama_config):
                 torch.testing.assert_close(committed_hidden, hidden[0, -1])
             expected.append(int(drafter.draft_to_target(drafter.logits(hidden)[0, -1].argmax())))
     assert drafts == expected
+
+
+def test_walked_chain_is_the_chain_decoding_of_the_same_text(tiny_llama_config):
+    """The trainer's walked chain (``ttt_forward(walk_steps=K).walk``, its held-out val_tau_walk3) over
+    the target's greedy answer has exactly the verify cycles and tokens of chain decoding that answer,
+    with a drafter that accepts some drafts and misses others."""
+    from eagle3_ray.drafter.ttt import ttt_forward
+
+    config = copy.deepcopy(tiny_llama_config)
+    config.initializer_range = 0.3  # the default 0.02 target repeats one token: every draft would be right
+    target = _target(config)
+    drafter = prepare_drafter(_drafter(config, seed=3), target)
+    prompt = _prompts(1, config.vocab_size, seed=1)[0]
+    answer, _ = target_generate(target, torch.tensor(prompt), 48)
+    assert len(set(answer)) > 40
+    seq = torch.tensor(prompt + answer)
+    with torch.no_grad():
+        states = target(seq[None], output_hidden_states=True).hidden_states
+    a, n = len(prompt), len(seq)
+    loss_mask = torch.zeros(1, n, dtype=torch.long)
+    loss_mask[0, a:] = 1
+    batch = {"input_ids": seq[None], "aux_hidden": torch.cat([states[k] for k in drafter.config.aux_layers], -1),
+             "last_hidden": states[-1], "loss_mask": loss_mask, "position_ids": torch.arange(n)[None],
+             "seq_ids": torch.zeros(1, n, dtype=torch.long)}
+    lm_head = target.lm_head.weight.detach()
+    # A few steps on this very text: some drafts right, some wrong.
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    drafter.train()
+    for _ in range(20):
+        opt.zero_grad()
+        ttt_forward(drafter, batch, lm_head, ttt_steps=3).loss.backward()
+        opt.step()
+    drafter.eval()
+    out, stats = generate(target, drafter, prompt, 48, mode="chain", num_steps=3)
+    assert out == answer
+    assert all(stats.accept_hist), stats.accept_hist  # cycles that accepted 0, 1, 2 and 3 drafts
+    with torch.no_grad():
+        walk = ttt_forward(drafter, batch, lm_head, ttt_steps=3, walk_steps=3).walk
+    assert walk.tolist() == [stats.new_tokens - 1, stats.verify_steps]
 
 
 def test_tree_children_are_the_drafter_top_k(tiny_llama_config):

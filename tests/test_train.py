@@ -142,6 +142,7 @@ def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci
     m = lines[-1]
     assert 1.0 <= m["val_tau"] <= 1 + cfg.train.ttt_steps and m["val_loss"] > 0
     assert 1.0 <= m["val_tau_chain3"] <= m["val_tau"]  # served, and over 3 drafts of the ttt_steps
+    assert 1.0 <= m["val_tau_walk3"] <= 4.0  # the chain of 3 drafts walked over each held-out answer
     # every held-out pack, once, at each evaluation: the first reads the shard, the second replays it
     assert [e["val_tokens"] for e in lines if "val_tau" in e] == [sum(p.tokens for p in val_packs)] * 2
     # each group's figures over its own packs: the eval-only group's tokens are its samples' tokens
@@ -150,6 +151,7 @@ def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci
     assert groups == set(job.val_pack_groups.values())
     for g in groups:
         assert 1.0 <= m[f"val_tau/{g}"] <= 1 + cfg.train.ttt_steps and m[f"val_tau_chain3/{g}"] <= m[f"val_tau/{g}"]
+        assert 1.0 <= m[f"val_tau_walk3/{g}"] <= 4.0
     ungrouped = sum(p.tokens for p in val_packs if p.key not in job.val_pack_groups)
     assert sum(m[f"val_tokens/{g}"] for g in groups) + ungrouped == m["val_tokens"]
     # the overall figure is the token-weighted mean of the parts (ungrouped packs included)

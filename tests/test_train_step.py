@@ -88,12 +88,16 @@ def test_evaluate_is_the_held_out_metrics_of_the_same_forward_and_keeps_the_mode
     d, lm_head = _drafter(), _lm_head()
     step = TrainStep(TorchEngine(d, adamw(_params(d), lr=1e-3)), lm_head, StepConfig(ttt_steps=2, row_tokens=8))
     pairs = [(_batch(10, s), 10) for s in (7, 8)]
-    want = held_out_metrics(held_out_sums(d, pairs, lambda b: ttt_forward(d, b, lm_head, 2, 0.8, row_tokens=8)))
+    for b, _ in pairs:
+        b["loss_mask"][0, :3] = 0  # a prompt, then the answer: a turn the walk replays
+    want = held_out_metrics(held_out_sums(d, pairs, lambda b: ttt_forward(d, b, lm_head, 2, 0.8, row_tokens=8,
+                                                                           walk_steps=2)))
     d.train()
     got = step.evaluate(pairs)
     assert d.training
     assert got == pytest.approx(want)
     assert got["val_tokens"] == 20
+    assert 1.0 <= got["val_tau_walk3"] <= 3.0  # a chain of min(3, ttt_steps) = 2 drafts
 
 
 def test_accumulation_must_be_positive():

@@ -502,3 +502,39 @@ def test_chunked_target_distribution_equals_the_full_softmax_and_argmax():
     draft_rows = torch.arange(DRAFT) + d.d2t
     torch.testing.assert_close(p, torch.softmax(h @ w[draft_rows].T, dim=-1))
     assert torch.equal(in_draft, d.t2d[(h @ w.T).argmax(dim=-1)])
+
+
+def test_chain_walk_replays_chain_decoding_over_each_assistant_turn():
+    """Hand-worked: cycles draft from the token before each turn's first (the prefill's), accept the
+    leading hits (capped at the turn's end) and commit one more; a turn that opens its sample (no
+    prompt to prefill) and padding are not walked."""
+    from eagle3_ray.drafter.ttt import chain_walk
+
+    T, F = True, False
+    # sample 0 (0..11): prompt 0..2, turn 3..9, user token 10, one-token turn 11; sample 1 (12..16): a turn
+    # opening the sample at 12, prompt 13, turn 14..16; padding 17..19.
+    mask = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0]
+    seq = [0] * 12 + [1] * 5 + [-1] * 3
+    hits = [[T, T, T] for _ in range(20)]  # every other position: all three drafts right
+    hits[2] = [T, T, F]  # turn 3..9, from t=2: 2 accepted -> x4..x6 committed, next from t=5
+    hits[5] = [F, T, T]  # a miss first: nothing accepted, the later hits do not count -> x7, next t=6
+    hits[6] = [T, T, T]  # 3 right but 1 token left before x9: 1 accepted + x9; the turn is done (3 cycles)
+    hits[13] = [T, F, T]  # turn 14..16 from t=13: 1 accepted -> x15, x16 (1 cycle)
+    h = torch.tensor(hits).T[:, None, :]  # [K=3, B=1, T=20]
+    got = chain_walk(h, torch.tensor([mask]), torch.tensor([seq]))
+    assert got.tolist() == [6 + 2, 3 + 1]
+    # rows of a batch add up
+    got2 = chain_walk(h.expand(3, 2, 20), torch.tensor([mask] * 2), torch.tensor([seq] * 2))
+    assert got2.tolist() == [16, 8]
+    # no hits at all: one cycle per committed token
+    assert chain_walk(torch.zeros_like(h), torch.tensor([mask]), torch.tensor([seq])).tolist() == [8, 8]
+
+
+def test_held_out_metrics_give_the_walked_tau_as_tokens_per_cycle():
+    from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, held_out_metrics
+
+    sums = torch.zeros(HELD_OUT_WIDTH, dtype=torch.float64)
+    sums[-3:] = torch.tensor([100.0, 30.0, 12.0])  # tokens, walk tokens, walk cycles
+    assert held_out_metrics(sums, "/g")["val_tau_walk3/g"] == pytest.approx(2.5)
+    sums[-2:] = 0  # a forward that did not walk: no walked figure
+    assert "val_tau_walk3" not in held_out_metrics(sums)

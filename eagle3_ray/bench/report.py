@@ -357,12 +357,15 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
         f"The last of {len(rows)} logged steps. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
         "accuracies; compare it with the measured chain/tree tau above."
     )
-    # chain(3) columns where the run logged them: held-out, and each train.val_groups group
-    chain3 = [k for k in ("val_tau_chain3",) if any(k in r for r in rows)] + sorted(
-        {k for r in rows for k in r if k.startswith("val_tau_chain3/")})
+    # chain(3) columns where the run logged them: held-out, and each train.val_groups group; the walked
+    # chain (val_tau_walk3, the bench's counterpart) where the run has it, else the per-position mean
+    walked = any("val_tau_walk3" in r for r in rows)
+    prefix = "val_tau_walk3" if walked else "val_tau_chain3"
+    chain3 = [k for k in (prefix,) if any(k in r for r in rows)] + sorted(
+        {k for r in rows for k in r if k.startswith(prefix + "/")})
     curve = _table(
         ["step", "training tokens", "train simulated tau", "held-out simulated tau",
-         *[("held-out chain(3)" if k == "val_tau_chain3" else f"{k.split('/', 1)[1]} chain(3)") for k in chain3]],
+         *[("held-out chain(3)" if k == prefix else f"{k.split('/', 1)[1]} chain(3)") for k in chain3]],
         [[str(r["step"]), _num(_tokens(r), "{:,}"), _num(r.get("tau")), _num(r.get("val_tau")),
           *[_num(r.get(k)) for k in chain3]]
          for r in _curve_rows(rows)],
@@ -370,9 +373,14 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
     curve_intro = (
         "Simulated tau against the training tokens the optimizer has seen (sample tokens of the packs "
         "trained on, all workers); held-out: the samples `train.val_share` keeps out of training."
-        + (" chain(3): the served simulated tau over the first three drafts (`val_tau_chain3`), the "
-           "counterpart of a measured chain(3) tau; per group of `train.val_groups` (eval-only groups "
-           "are never trained on)." if chain3 else "")
+        + (" chain(3): chain decoding of three drafts replayed over each held-out answer "
+           "(`val_tau_walk3`: tokens per verify cycle, the counterpart of a measured chain(3) tau on "
+           "the target's greedy answers); per group of `train.val_groups` (eval-only groups are never "
+           "trained on)." if chain3 and walked else "")
+        + (" chain(3): the served simulated tau over the first three drafts, a mean over positions "
+           "(`val_tau_chain3`), which reads above a measured chain(3) tau as the drafter gets better; "
+           "per group of `train.val_groups` (eval-only groups are never trained on)."
+           if chain3 and not walked else "")
     )
     parts = [f"## Training\n\n{intro}\n\n{table}", f"### Tau against training tokens\n\n{curve_intro}\n\n{curve}"]
     measured = _measured_section(rows, results or {})
@@ -388,14 +396,20 @@ def _measured_section(rows: list[dict[str, Any]], results: dict[str, Any]) -> st
     if not taus:
         return ""
     val, last = _last_val(rows), rows[-1]
-    head = ["mode", "measured tau", "held-out simulated tau (final)", "train simulated tau (final)"]
-    body = [[_label(results, k), _num(v), _num(val and val.get("val_tau")), _num(last.get("tau"))]
+    walked = val is not None and val.get("val_tau_walk3") is not None
+    head = ["mode", "measured tau", "held-out simulated tau (final)", "train simulated tau (final)",
+            *(["held-out chain(3) walked (final)"] if walked else [])]
+    body = [[_label(results, k), _num(v), _num(val and val.get("val_tau")), _num(last.get("tau")),
+             *([_num(val["val_tau_walk3"])] if walked else [])]
             for k, v in taus.items()]
     where = (f"held-out at step {val['step']}" + (f", {_tokens(val):,} training tokens" if _tokens(val) else "")
              if val else "no held-out evaluation in this run (`train.val_share` 0)")
     intro = ("The tau the benchmark measured per mode beside the drafter's simulated tau at the end of "
              f"training ({where}). The simulation assumes a chain of ttt_steps drafts; a measured chain "
-             "of fewer drafts, or a tree, differs from it by construction.")
+             "of fewer drafts, or a tree, differs from it by construction."
+             + (" The walked chain(3) replays chain decoding of three drafts over the held-out answers: "
+                "where those are the target's greedy answers to the benched prompts, it is the chain(3) "
+                "tau the bench should measure." if walked else ""))
     return f"### Measured against simulated tau\n\n{intro}\n\n{_table(head, body)}"
 
 

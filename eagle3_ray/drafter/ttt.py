@@ -46,6 +46,8 @@ class TTTOutput:
     # Per TTT step: (ce_i, acc_i, count_i, served_acc_i), detached, on the batch's device.
     stats: torch.Tensor
     loss_decay: float
+    # With ``walk_steps``: float64 [tokens, cycles] of the chain walked over each assistant turn (`chain_walk`).
+    walk: torch.Tensor | None = None
 
     @functools.cached_property
     def metrics(self) -> dict[str, float]:
@@ -62,21 +64,28 @@ def mean_metrics(stats: list[torch.Tensor], loss_decay: float) -> dict[str, floa
 
 
 HELD_OUT_SUMS = ("loss", "tau", "acc_0", "tau_chain3")  # token-weighted columns of held_out_sums, then tokens
+# held_out_sums' row: HELD_OUT_SUMS x tokens, tokens, then the walked chain's tokens and verify cycles
+HELD_OUT_WIDTH = len(HELD_OUT_SUMS) + 3
+WALK_STEPS = 3  # drafts per cycle of the walked chain: the bench's chain (bench.num_steps' default)
 
 
 def held_out_sums(drafter: torch.nn.Module, batches, forward) -> torch.Tensor:
-    """float64 [loss, tau, acc_0, tau_chain3 (each x tokens), tokens] summed over ``batches`` of (batch,
-    tokens), each run through ``forward(batch) -> TTTOutput`` without gradients, the drafter in eval
-    mode (its mode is restored). Sums, so that ranks (and packs of a group) can add theirs before
-    `held_out_metrics`."""
-    sums = torch.zeros(len(HELD_OUT_SUMS) + 1, dtype=torch.float64)
+    """float64 [loss, tau, acc_0, tau_chain3 (each x tokens), tokens, walk tokens, walk cycles] summed
+    over ``batches`` of (batch, tokens), each run through ``forward(batch) -> TTTOutput`` without
+    gradients, the drafter in eval mode (its mode is restored); the walk columns stay 0 where
+    ``forward`` does not walk (``ttt_forward(walk_steps=0)``). Sums, so that ranks (and packs of a
+    group) can add theirs before `held_out_metrics`."""
+    sums = torch.zeros(HELD_OUT_WIDTH, dtype=torch.float64)
     was_training = drafter.training
     drafter.eval()
     try:
         with torch.no_grad():
             for batch, tokens in batches:
-                m = forward(batch).metrics
-                sums += torch.tensor([m[k] * tokens for k in HELD_OUT_SUMS] + [tokens], dtype=torch.float64)
+                out = forward(batch)
+                m = out.metrics
+                sums[:-2] += torch.tensor([m[k] * tokens for k in HELD_OUT_SUMS] + [tokens], dtype=torch.float64)
+                if out.walk is not None:
+                    sums[-2:] += out.walk
     finally:
         drafter.train(was_training)
     return sums
@@ -84,10 +93,49 @@ def held_out_sums(drafter: torch.nn.Module, batches, forward) -> torch.Tensor:
 
 def held_out_metrics(sums: torch.Tensor, suffix: str = "") -> dict[str, float]:
     """Token-weighted val_loss, val_tau, val_acc_0, val_tau_chain3 and val_tokens from `held_out_sums`,
-    each name followed by ``suffix`` (a group's "/<name>")."""
-    n = max(float(sums[-1]), 1.0)
+    and val_tau_walk3 (the walked chain's tokens per verify cycle, where it walked), each name followed
+    by ``suffix`` (a group's "/<name>")."""
+    n = max(float(sums[-3]), 1.0)
     out = {f"val_{k}{suffix}": float(sums[i]) / n for i, k in enumerate(HELD_OUT_SUMS)}
-    return out | {f"val_tokens{suffix}": int(sums[-1])}
+    out[f"val_tokens{suffix}"] = int(sums[-3])
+    if float(sums[-1]) > 0:
+        out[f"val_tau_walk3{suffix}"] = float(sums[-2]) / float(sums[-1])
+    return out
+
+
+def chain_walk(hits: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """float64 [tokens, cycles]: chain speculative decoding replayed over the teacher-forced drafts.
+
+    ``hits`` [K, B, T] bool: draft step i at position t equals the target's argmax at t+1+i (a draft
+    vocab token, same sample); ``loss_mask`` [B, T] marks the assistant turns, ``seq_ids`` [B, T]
+    their samples. A cycle whose last committed token is x[t+1] drafts what the unroll drafted at t
+    (benchmarks/tau_consistency.py shows the two equal, cycle for cycle), so it accepts L(t) drafts,
+    the leading hits, and commits L(t) + 1 tokens: the next cycle drafts from t + L(t) + 1. Each
+    assistant turn x[s..e] is walked as the bench decodes it: the prefill gives x[s] (not counted,
+    as the bench's tau does not count it), the first cycle drafts from t = s - 1, and no cycle
+    commits past x[e]. tokens / cycles is then the bench's chain(K) tau on this text, where the text
+    is the target's greedy answer. Per-position means (``tau_chain3``) weigh every position once,
+    while cycles start more often where drafts fail: they overstate this figure as the drafter
+    gets better (benchmarks/results/README.md, "The session of 2026-12-06, third").
+    """
+    lead = hits.to(torch.int32).cumprod(dim=0).sum(dim=0)  # [B, T] leading hits, at most K
+    tokens = cycles = 0
+    for lead_row, mask_row, seq_row in zip(lead.tolist(), loss_mask.bool().tolist(), seq_ids.tolist()):
+        n = len(mask_row)
+        for s in range(1, n):
+            # a turn's first token, after a prompt of the same sample (a turn that opens its sample has no prefill)
+            if not mask_row[s] or mask_row[s - 1] or seq_row[s - 1] != seq_row[s] or seq_row[s] < 0:
+                continue
+            e = s
+            while e + 1 < n and mask_row[e + 1] and seq_row[e + 1] == seq_row[s]:
+                e += 1
+            at = s - 1
+            while at + 2 <= e:
+                accepted = min(lead_row[at], e - at - 2)
+                tokens += accepted + 1
+                cycles += 1
+                at += accepted + 1
+    return torch.tensor([tokens, cycles], dtype=torch.float64)
 
 
 def ttt_attention_mask(seq_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -316,6 +364,7 @@ def ttt_forward(
     pad_to: int | None = None,
     row_tokens: int | None = None,
     loss_kernel: Literal["auto", "torch", "triton"] = "auto",
+    walk_steps: int = 0,
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
 
@@ -332,6 +381,8 @@ def ttt_forward(
     many tokens (``split_rows``): the same loss at a fraction of the dense attention's cost.
     ``batch["segments"]`` (varlen, optional): the `Segments` of ``seq_ids``, built ahead.
     ``loss_kernel``: how each step's soft cross-entropy runs (`drafter.soft_ce`; the same function).
+    ``walk_steps`` (evaluation): also replay chain decoding of that many drafts per cycle over the
+    batch's assistant turns (`chain_walk`; at most ``ttt_steps``), into ``TTTOutput.walk``.
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
     if attention == "flex":
@@ -351,6 +402,7 @@ def ttt_forward(
         cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else DrafterKVCache()
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []  # per step: (ce_i, acc_i, count_i, served_acc_i), detached
+    hits_by_step = []  # per step < walk_steps: [B, T] the served draft equals the target's argmax
     for i in range(ttt_steps):
         ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
         valid = _shift(loss_mask, i, False) & _shift(in_draft, ahead, False) & _same_sample(seq, ahead)  # [B, T]
@@ -364,11 +416,15 @@ def ttt_forward(
         count = w.sum()
         ce_i = (ce * w).sum() / count.clamp(min=1)
         total = total + loss_decay**i * ce_i
-        hits = ((pred == _shift(target_ids, ahead)) & valid).float().sum()
+        hit = pred == _shift(target_ids, ahead)
+        if i < walk_steps:
+            hits_by_step.append(hit & _shift(in_draft, ahead, False) & _same_sample(seq, ahead))
+        hits = (hit & valid).float().sum()
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
         scored = (_shift(loss_mask, i, False) & _same_sample(seq, ahead)).float().sum()
         stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
-    return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay)
+    walk = chain_walk(torch.stack(hits_by_step), loss_mask, seq) if hits_by_step else None
+    return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay, walk=walk)
 
 
 def _metrics(stats: list[list[float]], loss_decay: float) -> dict[str, float]:

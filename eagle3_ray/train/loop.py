@@ -24,7 +24,7 @@ from eagle3_ray.config import TrainConfig
 from eagle3_ray.data.vocab import load_vocab_map
 from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_ray.drafter.ttt import HELD_OUT_SUMS, TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
@@ -152,6 +152,12 @@ def _without_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+
+def _chain3(m: dict[str, float], suffix: str) -> str:
+    """The log line's chain(3) figures of a held-out set: per-position mean, and walked where it was."""
+    walk = m.get(f"val_tau_walk3{suffix}")
+    return f"chain3 {m[f'val_tau_chain3{suffix}']:.2f}" + (f", walk3 {walk:.2f}" if walk is not None else "")
+
 class Trainer:
     """One Ray Train worker's training, as torchtitan's Trainer: `setup` builds the drafter, the
     DeepSpeed engine and the step and restores the latest checkpoint; `step` trains one micro-batch;
@@ -269,7 +275,7 @@ class Trainer:
         rows = self.val_rows if self.val_rows is not None else ()
         of = self.job.val_pack_groups
         names = sorted(set(of.values()))
-        sums = torch.zeros(1 + len(names), len(HELD_OUT_SUMS) + 1, dtype=torch.float64)  # all, then each group
+        sums = torch.zeros(1 + len(names), HELD_OUT_WIDTH, dtype=torch.float64)  # all, then each group
         for row in rows:
             s = self.train_step.held_out_sums([self._convert(row)])
             sums[0] += s
@@ -371,9 +377,9 @@ class Trainer:
         say(f"[train] step {m['step']}/{self.max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
             f"(served {m['tau_served']:.2f}) acc [{accs}] "
             f"lr {m['lr']:.2e} {m['tokens_per_s']:,.0f} tok/s (input wait {m['input_wait']:.0%})"
-            + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} (chain3 {m['val_tau_chain3']:.2f}) "
+            + (f"; held out: loss {m['val_loss']:.3f} tau {m['val_tau']:.2f} ({_chain3(m, '')}) "
                f"acc0 {m['val_acc_0']:.2f}" if "val_tau" in m else "")
-            + "".join(f"; {k[len('val_tau/'):]} tau {v:.2f} (chain3 {m['val_tau_chain3/' + k[len('val_tau/'):]]:.2f})"
+            + "".join(f"; {k[len('val_tau/'):]} tau {v:.2f} ({_chain3(m, k[len('val_tau'):])})"
                       for k, v in m.items() if k.startswith("val_tau/")))
 
     def _convert(self, row: dict) -> tuple[dict[str, torch.Tensor], int]:

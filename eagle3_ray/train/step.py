@@ -11,7 +11,7 @@ No Ray here: the same step runs inside a Ray Train worker and in a bare process.
     engine = TorchEngine(drafter, adamw(params, lr=1e-3), scheduler, grad_accum=1, grad_clip=0.5)
     step = TrainStep(engine, lm_head, StepConfig(ttt_steps=7, autocast=True, row_tokens=2048))
     out = step(batch)          # TTTOutput; step.stepped: the optimizer stepped after this batch
-    held = step.evaluate((batch, tokens) for ...)   # val_loss, val_tau, val_acc_0, val_tokens
+    held = step.evaluate((batch, tokens) for ...)   # val_loss, val_tau, ..., val_tau_walk3, val_tokens
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterable, Protocol
 import torch
 
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel  # noqa: F401 (train.loss_kernel's rule, importable here)
-from eagle3_ray.drafter.ttt import TTTOutput, held_out_metrics, held_out_sums, ttt_forward
+from eagle3_ray.drafter.ttt import WALK_STEPS, TTTOutput, held_out_metrics, held_out_sums, ttt_forward
 from eagle3_ray.errors import ConfigError
 
 # AdamW settings of every drafter optimizer (the DeepSpeed config's and `adamw`'s).
@@ -155,13 +155,14 @@ class TrainStep:
     def drafter(self) -> torch.nn.Module:
         return self.engine.module
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+    def forward(self, batch: dict[str, torch.Tensor], walk_steps: int = 0) -> TTTOutput:
         """The TTT loss and stats of one batch (on the drafter's device), with gradients unless the
-        caller disables them."""
+        caller disables them; ``walk_steps``: also the walked chain (`drafter.ttt.chain_walk`)."""
         c = self.cfg
         with self._autocast(batch["input_ids"]):
             return ttt_forward(self.engine.module, batch, self.lm_head, c.ttt_steps, c.loss_decay, c.attention,
-                               pad_to=c.pad_to, row_tokens=c.row_tokens, loss_kernel=c.loss_kernel)
+                               pad_to=c.pad_to, row_tokens=c.row_tokens, loss_kernel=c.loss_kernel,
+                               walk_steps=walk_steps)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """Forward, backward, and the engine's step (the optimizer steps at the end of each window)."""
@@ -177,12 +178,15 @@ class TrainStep:
         return self.micro_steps > 0 and self.micro_steps % self.cfg.grad_accum == 0
 
     def held_out_sums(self, batches: Iterable[tuple[dict[str, torch.Tensor], int]]) -> torch.Tensor:
-        """`drafter.ttt.held_out_sums` of (batch, tokens) pairs through this step's forward; sums, so
-        that ranks can add theirs before `held_out_metrics`."""
-        return held_out_sums(self.engine.module, batches, self.forward)
+        """`drafter.ttt.held_out_sums` of (batch, tokens) pairs through this step's forward, the chain
+        of `WALK_STEPS` drafts (at most ttt_steps) walked over their assistant turns; sums, so that
+        ranks can add theirs before `held_out_metrics`."""
+        walk = min(WALK_STEPS, self.cfg.ttt_steps)
+        return held_out_sums(self.engine.module, batches, lambda b: self.forward(b, walk_steps=walk))
 
     def evaluate(self, batches: Iterable[tuple[dict[str, torch.Tensor], int]]) -> dict[str, float]:
-        """val_loss, val_tau, val_acc_0, val_tau_chain3, val_tokens over (batch, tokens) pairs, token-weighted."""
+        """val_loss, val_tau, val_acc_0, val_tau_chain3, val_tokens over (batch, tokens) pairs, token-weighted,
+        and val_tau_walk3 (the walked chain's tokens per cycle)."""
         return held_out_metrics(self.held_out_sums(batches))
 
     def _autocast(self, ids: torch.Tensor):
