@@ -119,22 +119,29 @@ def chain_walk(hits: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tenso
     gets better (benchmarks/results/README.md, "The session of 2026-12-06, third").
     """
     lead = hits.to(torch.int32).cumprod(dim=0).sum(dim=0)  # [B, T] leading hits, at most K
+    mask, seq = loss_mask.bool(), seq_ids
+    same_prev = torch.zeros_like(mask)  # t and t-1 in one (non-padding) sample
+    same_prev[:, 1:] = (seq[:, 1:] == seq[:, :-1]) & (seq[:, 1:] >= 0)
+    after = torch.zeros_like(mask)  # t-1 is an assistant token of the same sample
+    after[:, 1:] = mask[:, :-1]
+    after &= same_prev
+    # A turn's first token after a prompt of its own sample (a turn that opens its sample has no prefill).
+    starts = (mask & ~after & same_prev).flatten().nonzero().flatten()
+    ends_mask = mask.clone()  # a turn's last token: the next one is not the same turn's
+    ends_mask[:, :-1] &= ~(mask[:, 1:] & same_prev[:, 1:])
+    ends = ends_mask.flatten().nonzero().flatten()
+    if starts.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64)
+    ends = ends[torch.searchsorted(ends, starts)]  # each turn's end (rows never share a flat index run)
+    lead_flat = lead.flatten().tolist()
     tokens = cycles = 0
-    for lead_row, mask_row, seq_row in zip(lead.tolist(), loss_mask.bool().tolist(), seq_ids.tolist()):
-        n = len(mask_row)
-        for s in range(1, n):
-            # a turn's first token, after a prompt of the same sample (a turn that opens its sample has no prefill)
-            if not mask_row[s] or mask_row[s - 1] or seq_row[s - 1] != seq_row[s] or seq_row[s] < 0:
-                continue
-            e = s
-            while e + 1 < n and mask_row[e + 1] and seq_row[e + 1] == seq_row[s]:
-                e += 1
-            at = s - 1
-            while at + 2 <= e:
-                accepted = min(lead_row[at], e - at - 2)
-                tokens += accepted + 1
-                cycles += 1
-                at += accepted + 1
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        at = s - 1
+        while at + 2 <= e:
+            accepted = min(lead_flat[at], e - at - 2)
+            tokens += accepted + 1
+            cycles += 1
+            at += accepted + 1
     return torch.tensor([tokens, cycles], dtype=torch.float64)
 
 
