@@ -35,6 +35,11 @@ from pathlib import Path
 import psutil
 
 START_TIMEOUT_S = 120
+# A worker's `ray start` that gives up with Ray's "timed out during startup" (its GCS answered too
+# slowly: seen once on a loaded 2-core CI machine) is started again, once, on fresh ports. Only that
+# exit is retried; any other start failure, and every test, fails as it is.
+START_ATTEMPTS = 2
+STARTUP_TIMED_OUT = "timed out during startup"
 # Not 127.0.0.1: Ray replaces "127.0.0.1"/"localhost" given as a node or driver address with the
 # machine's interface address (ray._private.services.resolve_ip_for_localhost), so a head "on
 # 127.0.0.1" would advertise a non-loopback address. Any other 127.x address is taken as given.
@@ -100,6 +105,10 @@ class Node:
             except psutil.NoSuchProcess:
                 continue
         raise AssertionError(f"no raylet among the processes of node {self.ip} (see {self.log})")
+
+
+class NodeStartTimedOut(RuntimeError):
+    """`ray start` exited with Ray's startup timeout (the GCS too slow to answer)."""
 
 
 class LoopbackCluster:
@@ -216,19 +225,30 @@ class LoopbackCluster:
         args = ["--address", self.address, "--num-cpus", str(self.worker_cpus if num_cpus is None else num_cpus)]
         if resources:
             args += ["--resources", resources]
-        node = self._spawn(ip, args, name, node_local=node_local)
-        self.workers.append(node)
-        if wait:
-            self.wait_for(node)
-        return node
+        for attempt in range(START_ATTEMPTS):
+            node = self._spawn(ip, args, name + (f"-r{attempt}" if attempt else ""), node_local=node_local)
+            self.workers.append(node)
+            if not wait:
+                return node
+            try:
+                self.wait_for(node)
+                return node
+            except NodeStartTimedOut as e:
+                self.workers.remove(node)
+                self.stop_node(node)
+                if attempt + 1 == START_ATTEMPTS:
+                    raise
+                print(f"[loopback_cluster] {e}; starting {ip} again", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
 
     def wait_for(self, node: Node) -> None:
         """Wait for `ray start` to report the node up (its log line; no extra driver needed)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if not node.alive():
-                raise RuntimeError(f"ray start for {node.ip} exited ({node.proc.returncode}); log:\n"
-                                   + node.log.read_text(errors="replace")[-3000:])
+                log = node.log.read_text(errors="replace")
+                kind = NodeStartTimedOut if STARTUP_TIMED_OUT in log else RuntimeError
+                raise kind(f"ray start for {node.ip} exited ({node.proc.returncode}); log:\n" + log[-3000:])
             if "Ray runtime started" in node.log.read_text(errors="replace"):
                 return
             time.sleep(0.5)
