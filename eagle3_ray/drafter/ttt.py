@@ -412,7 +412,10 @@ def ttt_forward(
     hits_by_step = []  # per step < walk_steps: [B, T] the served draft equals the target's argmax
     for i in range(ttt_steps):
         ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
-        valid = _shift(loss_mask, i, False) & _shift(in_draft, ahead, False) & _same_sample(seq, ahead)  # [B, T]
+        same = _same_sample(seq, ahead)  # [B, T] the target at t+1+i is this sample's
+        scored_mask = _shift(loss_mask, i, False) & same
+        servable = _shift(in_draft, ahead, False) & same  # a draft can match it: a draft-vocab target
+        valid = scored_mask & servable
         if attention == "varlen":
             mask = segments
         else:
@@ -425,10 +428,10 @@ def ttt_forward(
         total = total + loss_decay**i * ce_i
         hit = pred == _shift(target_ids, ahead)
         if i < walk_steps:
-            hits_by_step.append(hit & _shift(in_draft, ahead, False) & _same_sample(seq, ahead))
+            hits_by_step.append(hit & servable)
         hits = (hit & valid).float().sum()
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
-        scored = (_shift(loss_mask, i, False) & _same_sample(seq, ahead)).float().sum()
+        scored = scored_mask.float().sum()
         stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
     walk = chain_walk(torch.stack(hits_by_step), loss_mask, seq) if hits_by_step else None
     return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay, walk=walk)
