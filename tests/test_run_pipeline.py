@@ -81,6 +81,43 @@ def test_a_stage_marker_left_where_older_runs_wrote_it_still_resumes(tmp_path, c
     assert StageRunner(cfg, tmp_path, None).run("export", lambda d: pytest.fail("ran again")) == "y"
 
 
+def test_a_finished_stage_resumes_after_its_out_dir_moved(tmp_path, capsys):
+    """An out dir renamed, or restored on another machine under another path, resumes: a finished
+    stage's recorded output path (the generate stage's conversations, read by prepare) is found in the
+    out dir where it is now. The seventh product run's restored generate stage failed that way."""
+    from eagle3_ray.pipeline import DONE, StageRunner
+
+    cfg = load_config("configs/ci-tiny.yaml")
+    old, new = (tmp_path / "old").resolve(), (tmp_path / "new").resolve()
+
+    def generate(d):
+        d.mkdir(parents=True)
+        (d / "conversations.jsonl").write_text("{}\n")
+        return str(d / "conversations.jsonl")
+
+    assert StageRunner(cfg, old, None).run("generate", generate) == str(old / "generate" / "conversations.jsonl")
+    old.rename(new)
+    moved = str(new / "generate" / "conversations.jsonl")
+    capsys.readouterr()
+    assert StageRunner(cfg, new, None).run("generate", lambda d: pytest.fail("ran again")) == moved
+    assert f"its output moved with the out dir: {old / 'generate' / 'conversations.jsonl'} is now {moved}" in \
+        capsys.readouterr().out
+    # A marker written before result_in_out: the path after the stage's directory.
+    marker = new / "generate" / DONE
+    saved = json.loads(marker.read_text())
+    del saved["result_in_out"]
+    saved["result"] = "/tmp/product7/out/generate/conversations.jsonl"
+    marker.write_text(json.dumps(saved))
+    assert StageRunner(cfg, new, None).run("generate", lambda d: pytest.fail("ran again")) == moved
+    # Nowhere to be found: returned as recorded, for the stage that reads it to name.
+    saved["result"] = "/tmp/product7/out/generate/other.jsonl"
+    marker.write_text(json.dumps(saved))
+    assert StageRunner(cfg, new, None).run("generate", lambda d: pytest.fail("ran again")) == saved["result"]
+    # Results that are not paths inside the out dir are kept as they are.
+    assert StageRunner(cfg, new, None).run("export", lambda d: "y") == "y"
+    assert "result_in_out" not in json.loads((new / "drafter" / DONE).read_text())
+
+
 def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     """generate.samples_per_prompt=1 and synthetic_prompts=0 (the defaults) hash as the config did
     before the options (an out dir of earlier runs still resumes); more copies, or their temperature
