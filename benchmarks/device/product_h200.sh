@@ -17,7 +17,10 @@
 # generate.tgz.part-* (under the 16-MiB limit on a returned file). On a fresh machine (the last one went
 # back between calls, or a later session) put those parts under .gen/ (carried; or /tmp/gen, copied by an
 # earlier call: `source benchmarks/device/h200_session.sh gen`) and the run starts past generate: its
-# marker's hash matches when the config and --data are the same.
+# marker's hash matches when the config and --data are the same, under any RUN (a stage's recorded
+# output is found in the out dir where it is now). The eighth run restored the seventh's that way, its
+# archive split in two so that each half rode with a payload of its own (gg1, base):
+#   DATA=.gq/train_prompts_mt.jsonl EXTRA="$(cat benchmarks/device/product8_extra.txt)" ...
 set -uo pipefail
 : "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}" "${DATA:=.gq/train_prompts.jsonl}"
 mkdir -p "$RUN" "$OUT"
