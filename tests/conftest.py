@@ -155,7 +155,7 @@ def ci_tiny_prepared(ray_local, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ci_tiny_inputs(ci_tiny_prepared):
-    """ci-tiny prepared data, features and vocab map, built once through the real stages (read only)."""
+    """ci-tiny prepared data, features and vocab maps, built once through the real stages (read only)."""
     from eagle3_ray.config import load_config
     from eagle3_ray.extract.pipeline import run_extract
     from eagle3_ray.extract.vocab_stage import run_vocab
@@ -167,6 +167,11 @@ def ci_tiny_inputs(ci_tiny_prepared):
     two = load_config("configs/ci-tiny.yaml", ["extract.num_actors=2", "extract.max_actors=2"])
     run_extract(two, root / "prepare", root / "features")
     run_vocab(cfg, root / "features", root / "vocab")
+    # test_train.py's groups, one of them evaluation-only: that map leaves those samples out, as
+    # training with them requires (the map above counts every sample)
+    from test_train import GROUPS
+
+    run_vocab(load_config("configs/ci-tiny.yaml", GROUPS), root / "features", root / "vocab_groups")
     return root
 
 
@@ -197,7 +202,7 @@ def trained_4_steps(ci_tiny_inputs, ci_tiny_fp8_pair, tmp_path_factory):
 
     features = ci_tiny_fp8_pair[1]
     out = tmp_path_factory.mktemp("trained_4_steps") / "train"
-    ckpt = run_training(load_config(CI_CONFIG, TRAIN_4), features, ci_tiny_inputs / "vocab", out)
+    ckpt = run_training(load_config(CI_CONFIG, TRAIN_4), features, ci_tiny_inputs / "vocab_groups", out)
     return out, ckpt.relative_to(out), features
 
 

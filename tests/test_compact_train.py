@@ -211,7 +211,7 @@ def test_training_on_an_fp8_store_sees_the_batches_of_its_dequantized_copy(ci_ti
     fp8, bf16 = ci_tiny_fp8_pair
     bf16_out, _, trained_on = trained_4_steps
     assert trained_on == bf16
-    run_training(load_config(CI_CONFIG, TRAIN_4), fp8, ci_tiny_inputs / "vocab", tmp_path / "out-fp8")
+    run_training(load_config(CI_CONFIG, TRAIN_4), fp8, ci_tiny_inputs / "vocab_groups", tmp_path / "out-fp8")
     metrics = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
                for name, out in (("fp8", tmp_path / "out-fp8"), ("bf16", bf16_out))}
     assert [m["step"] for m in metrics["fp8"]] == [1, 2, 3, 4]

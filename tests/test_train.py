@@ -35,7 +35,7 @@ def _pack_tokens(cfg, features, ci_tiny_inputs, tmp_path) -> dict[str, int]:
     """Sample tokens of every training pack of the plan, by pack key."""
     from eagle3_ray.train.trainer import plan_training
 
-    packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path)[1]
+    packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path)[1]
     return {p.key: p.tokens for p in packs}
 
 
@@ -127,7 +127,7 @@ def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci
 
     out, ckpt, features = trained_4_steps
     cfg = load_config(CI_CONFIG, TRAIN_4)
-    job, packs, store, val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "plan")
+    job, packs, store, val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")
     held = {i for p in val_packs for i in p.samples}
     late = {i for i, sid in enumerate(store.sample_ids) if sid in ("ci-10", "ci-11", "ci-12")}
     # the eval-only group whole, then the share of the other 9 samples
@@ -185,6 +185,30 @@ def test_eval_only_groups_must_exist_and_match_and_leave_something_to_train(ci_t
     assert sorted(i for p in plain[3] for i in p.samples) == sorted(i for p in grouped[3] for i in p.samples)
 
 
+def test_training_refuses_a_vocab_map_that_counted_its_eval_only_samples(ci_tiny_inputs, tmp_path):
+    """The draft vocab is chosen by token counts: a map built over this very store with the
+    evaluation-only samples counted (`eagle3-ray vocab` without the same train.eval_only) would let
+    them shape what the drafter can propose. Training refuses it on the driver, naming the fix; the
+    map built with the groups passes, and a map built over other data is not judged."""
+    from eagle3_ray.data.vocab import load_vocab_map, save_vocab_map
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.trainer import plan_training
+
+    features = ci_tiny_inputs / "features"
+    cfg = load_config(CI_CONFIG, ["train.val_share=0.25", *GROUPS])
+    with pytest.raises(ConfigError, match=r"counted the 3 samples of train.eval_only \{'late': 'ci-1\[0-2\]'\}.*"
+                                          r"eagle3-ray vocab -c <config> --features"):
+        plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "a")
+    assert not (tmp_path / "a").exists()  # refused before any output
+    plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "b")
+    d2t, t2d, meta = load_vocab_map(ci_tiny_inputs / "vocab" / "vocab_map.safetensors")
+    (tmp_path / "other").mkdir()
+    save_vocab_map(tmp_path / "other" / "vocab_map.safetensors", d2t, t2d, {**meta, "fingerprint": "0" * 16})
+    plan_training(cfg, features, tmp_path / "other", tmp_path / "c")
+    # without evaluation-only groups the map that counts every sample is the right one
+    plan_training(load_config(CI_CONFIG, ["train.val_share=0.25"]), features, ci_tiny_inputs / "vocab", tmp_path / "d")
+
+
 def test_online_training_refuses_a_held_out_share(tmp_path):
     from eagle3_ray.errors import ConfigError
     from eagle3_ray.online import run_online_training
@@ -229,7 +253,7 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
 
     # Rerun the same command with a larger budget: it resumes at step 4 and continues.
     more = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=6"])
-    ckpt2 = run_training(more, features, ci_tiny_inputs / "vocab", out)
+    ckpt2 = run_training(more, features, ci_tiny_inputs / "vocab_groups", out)
     assert read_train_state(ckpt2)["step"] == 6
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert consumed_packs(ckpt2) > consumed_packs(ckpt)
@@ -252,7 +276,7 @@ def test_resume_refuses_a_checkpoint_from_another_config(trained_4_steps, ci_tin
     out, _ = _copy_run(trained_4_steps, tmp_path / "train")
     other = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=2", "train.batch_tokens=300"])
     with pytest.raises(CheckpointError, match="batch_tokens"):
-        run_training(other, trained_4_steps[2], ci_tiny_inputs / "vocab", out)
+        run_training(other, trained_4_steps[2], ci_tiny_inputs / "vocab_groups", out)
 
 
 def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_steps, ci_tiny_inputs, tmp_path):
@@ -276,7 +300,7 @@ def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_step
     assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in lines)
     # The held-out packs are split over the two ranks and their sums added: every token counted once,
     # at every evaluation.
-    val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab", tmp_path / "plan")[3]
+    val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")[3]
     assert [m["val_tokens"] for m in lines if "val_tokens" in m] == [sum(p.tokens for p in val_packs)] * 2
 
     # The gathered weights moved from their seeded initialisation, by optimizer-sized steps.

@@ -22,7 +22,7 @@ from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.data.groups import sample_groups
-from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map
+from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map, vocab_fingerprint
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.engines.describe import describe_target, target_hf_config
 from eagle3_ray.engines.heads import save_target_heads
@@ -96,6 +96,8 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
         raise ConfigError(f"nothing of {features} is left to train on: train.eval_only {t.eval_only} holds out "
                           f"{int(only.sum())} of its {len(store)} samples; narrow those groups' val_groups patterns")
     data_fp = data_fingerprint(store.sample_ids, store.lengths)
+    if only.any():
+        _check_vocab_left_out(vocab, data_fp, info.fingerprint, int(only.sum()), t, features)
     job, packs = build_job(cfg, store.lengths, data_fp, vocab, out, info, keep=keep)
     if t.val_share and n_prompts < len(rest):  # the split differs from the per-sample one of earlier code
         job.identity["val_split"] = "by_prompt"
@@ -110,6 +112,23 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
             + ("; by group: " + ", ".join(f"{g} {n}" + (" (eval only)" if g in t.eval_only else "")
                                           for g, n in sorted(named.items())) if named else ""))
     return job, packs, store, val_packs
+
+
+def _check_vocab_left_out(vocab: str | Path, data_fp: str, target_fp: str, n_only: int, t, features) -> None:
+    """``ConfigError`` when the vocab map was built over this very store with its evaluation-only
+    samples counted (`eagle3-ray vocab` without the same ``train.eval_only``): their tokens would have
+    chosen the draft vocab. A map built over other data is not judged."""
+    path = _vocab_file(vocab)
+    _, _, meta = load_vocab_map(path)
+    size = meta.get("draft_vocab_size")
+    if size is not None and meta.get("fingerprint") == vocab_fingerprint(data_fp, target_fp, int(size)):
+        groups = {g: t.val_groups[g] for g in t.eval_only}
+        raise ConfigError(
+            f"vocab map {path} counted the {n_only} samples of train.eval_only {groups} in {features}: their "
+            f"tokens chose the draft vocab, so their evaluation would not be held out. Rebuild the map with "
+            f"this training's config and overrides (the same train.val_groups and train.eval_only): "
+            f"`eagle3-ray vocab -c <config> --features {features} --out <dir> <overrides>`"
+        )
 
 
 def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info, keep=None):
