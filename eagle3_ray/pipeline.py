@@ -82,16 +82,6 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _inside(result: Any, out: Path) -> str | None:
-    """``result`` relative to ``out`` when it is a path inside it, else None."""
-    if not isinstance(result, str) or not Path(result).is_absolute():
-        return None
-    try:
-        return str(Path(result).resolve().relative_to(out.resolve()))
-    except ValueError:
-        return None
-
-
 class StopAfter(Exception):
     """Raised by StageRunner once the stage named by `stop_after` is done."""
 
@@ -129,32 +119,24 @@ class StageRunner:
         result = fn(d)
         self.timings[stage] = round(time.monotonic() - t0, 1)
         d.mkdir(parents=True, exist_ok=True)
-        marker = {"hash": want, "result": result, "seconds": self.timings[stage]}
-        inside = _inside(result, self.out)
-        if inside is not None:  # the out dir may be moved, or copied to another machine, before it resumes
-            marker["result_in_out"] = inside
-        write_json(d / DONE, marker, indent=None, newline=False)
+        write_json(d / DONE, {"hash": want, "result": result, "seconds": self.timings[stage]}, indent=None,
+                   newline=False)
         self._maybe_stop(stage)
         return result
 
     def _relocated(self, saved: dict[str, Any], stage: str, d: Path) -> Any:
-        """A finished stage's result, where it is now: a path recorded inside an out dir that has since
-        moved (renamed, restored on another machine) is taken from this out dir instead. Markers
-        written before ``result_in_out`` existed: the part of the path after the stage's directory."""
+        """A finished stage's result, where it is now: a recorded path that no longer exists (the out
+        dir renamed, or restored on another machine) is taken from the stage's directory of this out
+        dir, as the part of the path after the stage's directory name."""
         result = saved.get("result")
         if not isinstance(result, str) or not Path(result).is_absolute() or Path(result).exists():
             return result
-        candidates = []
-        if saved.get("result_in_out"):
-            candidates.append(self.out / saved["result_in_out"])
         parts = Path(result).parts
         if d.name in parts:
-            last = len(parts) - 1 - parts[::-1].index(d.name)
-            candidates.append(d.joinpath(*parts[last + 1:]))
-        for path in candidates:
-            if path.exists():
-                say(f"[run] {stage}: its output moved with the out dir: {result} is now {path}")
-                return str(path)
+            moved = d.joinpath(*parts[len(parts) - parts[::-1].index(d.name):])
+            if moved.exists():
+                say(f"[run] {stage}: its output moved with the out dir: {result} is now {moved}")
+                return str(moved)
         return result
 
     def _maybe_stop(self, stage: str) -> None:

@@ -152,11 +152,11 @@ def _without_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-
 def _chain3(m: dict[str, float], suffix: str) -> str:
     """The log line's chain(3) figures of a held-out set: per-position mean, and walked where it was."""
     walk = m.get(f"val_tau_walk3{suffix}")
     return f"chain3 {m[f'val_tau_chain3{suffix}']:.2f}" + (f", walk3 {walk:.2f}" if walk is not None else "")
+
 
 class Trainer:
     """One Ray Train worker's training, as torchtitan's Trainer: `setup` builds the drafter, the
