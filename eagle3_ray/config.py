@@ -309,8 +309,30 @@ class BenchConfig(_Section):
         "chain/tree steps (spec.StaticProposer); false drafts eagerly (the reference path, for comparison)."
     )
     max_length: int = Field(8192, ge=16, description="Longest prompt + new tokens of a StaticTarget generation.")
+    engine: Literal["auto", "hf", "sglang", "both"] = Field(
+        "auto", description="Which engine decodes: 'sglang' (SGLang's own EAGLE-3 against SGLang's plain "
+        "decoding, both with CUDA graphs unless cuda_graphs is false; needs CUDA GPUs and SGLang), 'hf' (the "
+        "project's own decoder: CPU, or targets SGLang cannot run), 'both' (the two on the same prompts, "
+        "and how far SGLang's tau is from the project's own), 'auto' (target.backend's engine). "
+        "Independent of the engine that captured the features."
+    )
+    concurrency: list[int] = Field(
+        default_factory=lambda: [1, 8, 32], min_length=1, description="SGLang bench: requests in flight, "
+        "each measured on the same turns in every mode (the speedup curve over concurrency)."
+    )
     num_gpus: float = Field(0.0, ge=0.0)
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency(cls, value: list[int]) -> list[int]:
+        if any(c < 1 for c in value) or len(set(value)) != len(value):
+            raise ValueError(f"{value}: give distinct request counts >= 1, e.g. [1, 8, 32]")
+        return sorted(value)
+
+    def bench_engine(self, backend: str) -> str:
+        """The engine that decodes: ``engine``, or the target's backend for 'auto'."""
+        return backend if self.engine == "auto" else self.engine
 
     @field_validator("prompts", mode="before")
     @classmethod

@@ -1,6 +1,8 @@
 """Exceptions a user can cause. Each message says what to change."""
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 class Eagle3Error(Exception):
@@ -39,6 +41,12 @@ class EngineError(Eagle3Error):
     """A capture/generation engine setting is invalid or the engine returned inconsistent data."""
 
 
+class EngineStartError(EngineError):
+    """An engine could not be built: its constructor raised, or a process it started (an SGLang
+    scheduler) died while starting. Building it again would fail the same way, so the stage stops
+    (exit status 2) and Ray does not retry it; the message names the cause on one line."""
+
+
 class OutputInUse(Eagle3Error):
     """Another eagle3-ray process is writing the same output directory."""
 
@@ -52,3 +60,26 @@ def require_dir(path, what: str, want: str, error: type[Eagle3Error]) -> Path:
     if not path.is_dir():
         raise error(f"{what} {path} is a file, not a directory; {want}")
     return path
+
+
+def exception_line(e: BaseException, limit: int = 500) -> str:
+    """``Type: message`` of ``e`` on one line (the message's lines joined with "; "), at most ``limit``
+    characters: the cause as an error message quotes it."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = f"{type(e).__name__}: {'; '.join(lines)}" if lines else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextmanager
+def engine_start(what: str) -> Iterator[None]:
+    """Building an engine (``what``: which one, for the message): an exception raised in the block
+    leaves it as an ``EngineStartError`` naming ``what`` and the cause on one line, which the CLI
+    prints as the stage's error (exit status 2), and which Ray does not retry (it is raised, not a
+    crash). An ``Eagle3Error`` (a config or target the user must fix, already worded for them)
+    passes as it is."""
+    try:
+        yield
+    except Eagle3Error:
+        raise
+    except Exception as e:
+        raise EngineStartError(f"{what} could not be built: {exception_line(e)}") from e

@@ -33,7 +33,7 @@ from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.data.vocab import build_vocab_map, count_tokens, data_fingerprint, save_vocab_map, vocab_fingerprint
 from eagle3_ray.engines.describe import describe_target
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.extract.pipeline import read_prepared
+from eagle3_ray.extract.pipeline import ENGINE_ACTOR_RESTARTS, read_prepared
 from eagle3_ray.extract.udfs import PackCaptureUDF
 from eagle3_ray.extract.vocab_stage import VOCAB_FILE
 from eagle3_ray.features import open_store
@@ -107,6 +107,9 @@ def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMet
                                            max_size=cfg.extract.max_actors or cfg.extract.num_actors),
         num_gpus=cfg.extract.num_gpus_per_actor or None,
         num_cpus=cfg.extract.num_cpus_per_actor,
+        # Bounded, as extract's: Ray Data's default restarts a dead engine actor without limit.
+        max_restarts=ENGINE_ACTOR_RESTARTS,
+        max_task_retries=ENGINE_ACTOR_RESTARTS,
         batch_size=packs_per_call,
         batch_format="numpy",
     )

@@ -68,6 +68,11 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     for key in ("val_groups", "eval_only"):  # none: the hash of runs before the options
         if not full["train"][key]:
             full["train"].pop(key)
+    # The bench's engine options, where they change nothing: the hash of runs before them.
+    unused = {"engine"} if cfg.bench.engine == "auto" else set()
+    if cfg.bench.bench_engine(cfg.target.backend) == "hf":
+        unused.add("concurrency")
+    full["bench"] = {k: v for k, v in full["bench"].items() if k not in unused}
     for section, keys in UNHASHED.items():
         for key in keys:
             *inner, last = key.split(".")

@@ -88,6 +88,27 @@ def init_ray(cfg: RayConfig):
     return ray
 
 
+# What Ray retries (docs/reliability.md "Retried, or failing fast"): a task whose worker process died
+# (its node lost, the process killed) runs again, up to this many times (Ray's own default). An
+# exception raised by the task's code does not: it would be raised again (a config that cannot
+# work, an engine that cannot start: EngineStartError), so it ends the stage at once.
+PROCESS_RETRIES = 3
+
+
+def fail_fast_remote(fn, **options):
+    """``ray.remote(**options)(fn)`` for a task that Ray runs again only when its worker process died
+    (``max_retries``, default PROCESS_RETRIES), never when it raised (``retry_exceptions=False``): the
+    exception (e.g. RayTaskError(EngineStartError)) reaches ``ray.get`` at once, and the CLI prints it
+    as the stage's one-line error (exit status 2). For actors, nothing is needed: Ray restarts an
+    actor (``max_restarts``) only when its process died, never when its constructor raised."""
+    import ray
+
+    options.setdefault("max_retries", PROCESS_RETRIES)
+    if options.get("retry_exceptions"):
+        raise ValueError("fail_fast_remote: retry_exceptions would run a failing task again; leave it unset")
+    return ray.remote(**{**options, "retry_exceptions": False})(fn)
+
+
 SHARED_CHECK_TIMEOUT_S = 120
 
 

@@ -25,7 +25,6 @@ from eagle3_ray.bench.runner import (
     BenchActor,
     results_body,
     run_bench,
-    sglang_to_results,
     summarize,
 )
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig
@@ -167,24 +166,6 @@ def test_headline_states_a_slowdown_first():
     results["speedup"] = {"chain": 1.5, "tree": 2.0}
     assert headline({**results, "graphed_baseline": True}).startswith(
         "**Faster than CUDA-graphed plain decoding on `cpu`: chain 1.50x, tree 2.00x**")
-
-
-def test_sglang_run_in_the_results_layout(tmp_path):
-    """The colleague's real SGLang summariser (the engine itself needs CUDA) feeds the same report."""
-    from eagle3_ray.bench.sglang_bench import summarize_run
-
-    def turn(tokens, seconds, verify=None):
-        return {"completion_tokens": tokens, "seconds": seconds, "spec_verify_ct": verify}
-
-    base = summarize_run({"a": [turn(40, 2.0)], "b": [turn(20, 1.0)]})
-    spec = summarize_run({"a": [turn(40, 1.0, 10)], "b": [turn(20, 0.5, 10)]}, base)
-    r = sglang_to_results({"baseline": base, "eagle3": spec, "device": "cuda"})
-    assert r["tau"] == {"eagle3": pytest.approx(3.0)} and r["speedup"] == {"eagle3": pytest.approx(2.0)}
-    assert r["per_category"]["a"]["eagle3"]["tau"] == pytest.approx(4.0)
-    assert r["per_category"]["b"]["baseline"]["tokens_per_s"] == pytest.approx(20.0)
-    assert r["modes"]["eagle3"]["new_tokens"] == 60 and r["prompt_lookup"] is None
-    text = write_report(r, tmp_path).read_text()
-    assert "| eagle3 | 3.00 | 40.0 | 2.00x |" in text and "| a | 4.00 | 2.00x |" in text
 
 
 # --- report ------------------------------------------------------------------------------------------

@@ -113,3 +113,49 @@ def test_corrupt_middle_line_is_an_error_not_a_silent_skip(tmp_path):
     out_path.write_text('{"id": "a", "conversations": []}\nnot json\n{"id": "b", "conversations": []}\n')
     with pytest.raises(DataError, match=r"out.jsonl:2 is not a self-distillation record"):
         written_ids(out_path)
+
+
+class ConcurrentEngine:
+    """The real engine behind an interface that batches across calls as SGLang's does
+    (``calls_in_flight``): calls arrive from several threads; the answers are the real engine's
+    (one call at a time inside, as the HF engine needs), each call held a while so they overlap."""
+
+    calls_in_flight = 3
+
+    def __init__(self, inner: HFEngine):
+        import threading
+
+        self.inner, self.info = inner, inner.info
+        self.lock = threading.Lock()
+        self.in_flight = self.most = 0
+        self.seeds: list[int] = []
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0):
+        import time
+
+        with self.lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            self.seeds.append(seed)
+        time.sleep(0.05)
+        with self.lock:
+            answers = self.inner.generate(prompts, max_new_tokens, temperature, top_p, seed)
+            self.in_flight -= 1
+        return answers
+
+
+def test_an_engine_that_batches_across_calls_gets_several_in_flight_with_the_same_answers(engine, tmp_path):
+    """Batches answered from threads land in input order, seeded as if one after the other, and
+    sampled answers equal the one-call-at-a-time run's."""
+    tok = engine.tokenizer
+    mt = Sample("mt", [_user("Name a color."), _user("Another one?")], "t:2")
+    samples = _prompts(7) + [mt] + _prompts(12)[7:]
+    one = RecordingEngine(engine)
+    self_distill(one, tok, samples, tmp_path / "one.jsonl", MAX_NEW, temperature=0.9, batch_size=2, seed=5)
+    many = ConcurrentEngine(engine)
+    summary = self_distill(many, tok, samples, tmp_path / "many.jsonl", MAX_NEW, temperature=0.9, batch_size=2, seed=5)
+    assert many.most == 3  # three batches in flight at once
+    assert _records(tmp_path / "many.jsonl") == _records(tmp_path / "one.jsonl")
+    # batch 4 holds the two-turn sample: two calls, so batch 5 starts two seeds later
+    assert sorted(many.seeds) == list(range(5, 13))  # 7 batches, 8 calls
+    assert summary.generated == 13

@@ -13,6 +13,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from eagle3_ray.atomic import write_text
+from eagle3_ray.bench.sglang_report import sglang_section
 from eagle3_ray.errors import DataError
 
 REPORT_NAME = "report.md"
@@ -32,6 +33,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
     sections = [
         _header(results),
         _summary_section(results),
+        sglang_section(results),
         _parts_section(results),
         _divergence_section(results),
         _set_section(results),

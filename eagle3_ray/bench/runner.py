@@ -28,6 +28,7 @@ from eagle3_ray.bench.audit import audit_turn, bound_text, first_difference
 from eagle3_ray.bench.prompts import Prompt, categories_by_set, load_prompt_sets
 from eagle3_ray.bench.report import write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
+from eagle3_ray.errors import engine_start
 from eagle3_ray.progress import say
 
 DEFAULT_PROMPTS = "builtin:demo_eval"
@@ -54,11 +55,13 @@ class BenchActor:
         from eagle3_ray.spec import prepare_drafter
 
         target_cfg = TargetConfig.model_validate(target_cfg)  # the section as is; a dict (notebooks) is validated
-        self.target = load_target(target_cfg)
-        model = self.target.model
-        # On the target's device and dtype, sharing (not copying) its input embedding.
-        self.drafter = prepare_drafter(load_drafter(drafter_dir), model)
-        self.untrained = _untrained_like(self.drafter, model) if compare_untrained else None
+        # A failure here ends the benchmark at once (EngineStartError, not retried): see errors.engine_start.
+        with engine_start(f"the benchmark's target (target.model={target_cfg.model!r}) and drafter {drafter_dir}"):
+            self.target = load_target(target_cfg)
+            model = self.target.model
+            # On the target's device and dtype, sharing (not copying) its input embedding.
+            self.drafter = prepare_drafter(load_drafter(drafter_dir), model)
+            self.untrained = _untrained_like(self.drafter, model) if compare_untrained else None
         self.info: dict[str, Any] = {"device": _device_name(self.target.device), "target": target_cfg.model,
                                      "drafter": drafter_dir, "dtype": str(self.target.dtype).removeprefix("torch."),
                                      "graphed_baseline": False, "draft_graphs": False}
@@ -388,10 +391,17 @@ def run_bench(
     if not prompts and cfg.bench.prompts:
         source = resolved["bench"]["prompts"]  # entries as plain JSON
     drafter_dir = str(Path(drafter).resolve())
-    if cfg.target.backend == "sglang":
-        results = _sglang_results(cfg, drafter_dir, sets)
+    engine = cfg.bench.bench_engine(cfg.target.backend)
+    if engine == "sglang":
+        from eagle3_ray.bench.sglang_runner import sglang_only_results
+
+        results = sglang_only_results(cfg, drafter_dir, sets, out_dir)
     else:
         results = _hf_results(cfg, drafter_dir, sets, out_dir, compare_untrained, sglang_plain_tokens_per_s)
+        if engine == "both":
+            from eagle3_ray.bench.sglang_runner import add_sglang
+
+            add_sglang(results, cfg, drafter_dir, sets, out_dir)
     results["config"] = {"bench": resolved["bench"], "target": resolved["target"], "prompts": source}
     _write_json(out_dir / RESULTS_NAME, results)
     write_report(results, out_dir, train_metrics)
@@ -477,58 +487,3 @@ def _read_partial(partial_dir: Path, category: str, key: str) -> dict[str, Any] 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, data)
-
-
-def _sglang_results(cfg: PipelineConfig, drafter_dir: str, sets: dict[str, list[Prompt]]) -> dict[str, Any]:
-    """SGLang targets: the engine benchmark in a Ray task owning the engine's GPUs, then reshaped."""
-    from eagle3_ray.bench.sglang_bench import run_sglang_bench
-    from eagle3_ray.ray_session import init_ray
-
-    ray = init_ray(cfg.ray)
-    task = ray.remote(num_gpus=max(cfg.target.tp_size, cfg.bench.num_gpus))(run_sglang_bench)
-    raw = ray.get(task.remote(cfg, drafter_dir, {cat: [p.turns for p in ps] for cat, ps in sets.items()}))
-    return {
-        **sglang_to_results(raw),
-        "num_prompts": sum(len(ps) for ps in sets.values()),
-        "num_turns": sum(len(p.turns) for ps in sets.values() for p in ps),
-        "target": cfg.target.model,
-        "drafter": drafter_dir,
-    }
-
-
-def sglang_to_results(raw: dict[str, Any], mode: str = "eagle3") -> dict[str, Any]:
-    """``run_sglang_bench``'s output in the results.json layout, as one mode named ``mode``."""
-
-    def row(r: dict[str, Any] | None, speedup: float | None = None) -> dict[str, Any] | None:
-        if r is None:
-            return None
-        return {
-            "tau": r.get("tau"),
-            "accept_by_position": [],  # SGLang reports accept lengths, not per-position rates
-            "tokens_per_s": r.get("tokens_per_s"),
-            "speedup": r.get("speedup", speedup),
-            "new_tokens": r.get("completion_tokens"),
-            "verify_steps": r.get("spec_verify_ct"),
-            "seconds": r.get("seconds"),
-            "turns": r.get("turns"),
-        }
-
-    spec, base = raw["eagle3"], raw["baseline"]
-    overall = row(spec)
-    base_cats = base.get("per_category") or {}
-    return {
-        "tau": {mode: overall["tau"]},
-        "tokens_per_s": {mode: overall["tokens_per_s"]},
-        "speedup": {mode: overall["speedup"]},
-        "accept_by_position": {mode: []},
-        "modes": {mode: overall},
-        "baseline": row(base, 1.0),
-        "prompt_lookup": None,
-        "untrained": None,
-        "per_category": {
-            cat: {"baseline": row(base_cats.get(cat), 1.0), mode: row(r)}
-            for cat, r in (spec.get("per_category") or {}).items()
-        },
-        "device": raw.get("device", "cuda"),
-        "engine": raw.get("engine"),
-    }

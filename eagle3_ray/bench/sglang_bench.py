@@ -1,132 +1,337 @@
-"""EAGLE-3 speculative decoding on SGLang vs plain SGLang decoding, per prompt category. No Ray in here.
+"""SGLang's own EAGLE-3 speculative decoding against SGLang's plain decoding. No Ray in here.
 
-Two engines run one after the other on the same GPUs (each holds the whole KV-cache budget): a
-baseline (``engine_kwargs(mode="generate")``) and one with ``speculative_algorithm="EAGLE3"`` and the
-exported drafter (``mode="spec"``, shape from ``cfg.bench``). Every conversation is replayed turn by
-turn at batch size 1, each engine answering from its own history, as MT-bench measures latency.
+Three engines run one after the other on the same GPUs, each holding the whole KV-cache budget and
+each with CUDA graphs unless ``bench.cuda_graphs`` is false: ``plain`` (``engine_kwargs(mode=
+"generate")``), ``chain`` (EAGLE3, top-1, ``bench.num_steps`` drafts) and ``tree`` (EAGLE3,
+``bench.topk`` x ``bench.depth``, ``bench.total_tokens`` verified), as ``bench.modes`` asks.
 
-tau = completion_tokens / spec_verify_ct (SGLang's ``spec_accept_length``, bonus token included),
-totalled over turns; tokens/s = completion tokens / wall seconds of the generate calls.
-Call it in a process that owns ``target.tp_size`` GPUs (e.g. inside a Ray task with num_gpus=tp).
+The turns: the plain engine answers every conversation turn by turn at concurrency 1, its own
+replies becoming the history (``plan_turns``). That fixes every turn's prompt ids; every other
+measurement (plain at higher concurrency, chain and tree at every concurrency) answers exactly
+those prompts, so all modes decode the same turns. At concurrency c the prompts are sent with at
+most c requests in flight (``serve``), as a server sees c users.
+
+Counted from SGLang's own per-request counters (``meta_info``): ``completion_tokens``,
+``spec_verify_ct`` (target verify forwards) and ``spec_correct_drafts_histogram`` (verify steps that
+accepted exactly i drafts). ``tau`` = tokens appended by verify steps / verify steps, the project's
+definition (docs/bench.md; the prefill's first token is not a verify step's), and
+``accept_length`` = completion_tokens / verify steps, SGLang's own ``spec_accept_length``.
+tokens/s at concurrency 1 = completion tokens / the requests' summed latency; above 1 = completion
+tokens / wall seconds of the whole batch. Speedup = a mode's tokens/s over plain's at the same
+concurrency on the same turns.
+Call it in a process that owns ``target.tp_size`` GPUs (``bench.runner`` runs it in a Ray task).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
 
-from eagle3_ray.config import PipelineConfig
-from eagle3_ray.engines.sglang import check_server_args, engine_kwargs, generate_sampling, import_sglang
+from eagle3_ray.config import BenchConfig, PipelineConfig
+from eagle3_ray.engines.sglang import (
+    check_server_args,
+    engine_kwargs,
+    generate_sampling,
+    import_sglang,
+    server_args_fields,
+)
 
-Turn = dict[str, Any]  # {"completion_tokens", "seconds", "spec_verify_ct" (spec runs)}
+SPEC_MODES = ("chain", "tree")
+WARMUP_TOKENS = 32
+GRAPH_MAX_BS = "cuda_graph_max_bs_decode"  # a ServerArgs field in 0.5.17 and 0.5.23
+EngineFactory = Callable[..., Any]  # sglang.Engine(**kwargs), or a test's fake
 
 
-def turn_record(out: dict[str, Any], seconds: float) -> Turn:
-    """One generate() output of SGLang reduced to what the benchmark totals."""
+@dataclass(frozen=True)
+class TurnPrompt:
+    """One turn to answer: its conversation (category, prompt id), turn index and full prompt ids."""
+
+    category: str
+    prompt_id: str
+    turn: int
+    ids: list[int]
+
+
+def request_record(out: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """One answer of SGLang reduced to its counters (``spec_*`` None for plain decoding)."""
     meta = out["meta_info"]
+    hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
+    verify = meta.get("spec_verify_ct")
     return {
         "completion_tokens": int(meta["completion_tokens"]),
-        "spec_verify_ct": int(meta["spec_verify_ct"]) if "spec_verify_ct" in meta else None,
+        "spec_verify_ct": int(verify) if verify else None,
+        "accept_histogram": [int(x) for x in hist] if hist else None,
         "seconds": seconds,
+        "output_ids": [int(t) for t in out["output_ids"]],
     }
 
 
-def summarize_turns(turns: list[Turn]) -> dict[str, Any]:
-    """tau, tokens/s and totals of a list of turns (None where a quantity is absent)."""
-    tokens = sum(t["completion_tokens"] for t in turns)
-    seconds = sum(t["seconds"] for t in turns)
-    verified = [t for t in turns if t.get("spec_verify_ct")]
-    verify_ct = sum(t["spec_verify_ct"] for t in verified)
-    return {
-        "tau": sum(t["completion_tokens"] for t in verified) / verify_ct if verify_ct else None,
-        "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "completion_tokens": tokens,
-        "spec_verify_ct": verify_ct if verified else None,
-        "seconds": seconds,
-        "turns": len(turns),
-    }
+def serve(engine: Any, prompts: Sequence[Sequence[int]], sampling: dict[str, Any],
+          concurrency: int) -> tuple[list[dict[str, Any]], float]:
+    """Answer ``prompts`` with at most ``concurrency`` requests in flight, on the engine's own loop.
+    Returns the records in prompt order and the wall seconds of the whole batch."""
+
+    async def one(ids: Sequence[int], gate: asyncio.Semaphore) -> dict[str, Any]:
+        async with gate:
+            start = time.perf_counter()
+            out = await engine.async_generate(input_ids=list(ids), sampling_params=dict(sampling))
+            return request_record(out, time.perf_counter() - start)
+
+    async def batch() -> tuple[list[dict[str, Any]], float]:
+        gate = asyncio.Semaphore(concurrency)
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(ids, gate) for ids in prompts))
+        return list(records), time.perf_counter() - start
+
+    return engine.loop.run_until_complete(batch())
 
 
-def summarize_run(per_category: dict[str, list[Turn]], baseline: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Overall and per-category summaries; ``speedup`` divides by the baseline's tokens/s."""
-
-    def speedup(row: dict[str, Any], base: dict[str, Any] | None) -> float | None:
-        tps, base_tps = row["tokens_per_s"], (base or {}).get("tokens_per_s")
-        return tps / base_tps if tps and base_tps else None
-
-    cats = {cat: summarize_turns(turns) for cat, turns in per_category.items()}
-    overall = summarize_turns([t for turns in per_category.values() for t in turns])
-    if baseline is not None:
-        for cat, row in cats.items():
-            row["speedup"] = speedup(row, baseline["per_category"].get(cat))
-        overall["speedup"] = speedup(overall, baseline)
-    return {**overall, "per_category": cats}
-
-
-def replay(
-    answer: Callable[[list[int]], tuple[list[int], Turn]],
+def plan_turns(
+    engine: Any,
+    sampling: dict[str, Any],
+    conversations: dict[str, list[tuple[str, list[str]]]],
     render: Callable[[list[dict[str, str]]], list[int]],
     decode: Callable[[list[int]], str],
-    prompt_sets: dict[str, list[list[str]]],
-) -> dict[str, list[Turn]]:
-    """Answer every conversation turn by turn; the model's own replies become its history."""
-    out: dict[str, list[Turn]] = {}
-    for cat, conversations in prompt_sets.items():
-        out[cat] = []
-        for turns in conversations:
+) -> tuple[list[TurnPrompt], list[dict[str, Any]]]:
+    """Plain decoding at concurrency 1, conversation by conversation, each reply the next turn's
+    history. Returns every turn's prompt and its record (the plain concurrency-1 measurement)."""
+    turns: list[TurnPrompt] = []
+    records: list[dict[str, Any]] = []
+    for category, convs in conversations.items():
+        for prompt_id, texts in convs:
             messages: list[dict[str, str]] = []
-            for text in turns:
+            for turn, text in enumerate(texts):
                 messages.append({"role": "user", "content": text})
-                new_ids, record = answer(render(messages))
-                messages.append({"role": "assistant", "content": decode(new_ids)})
-                out[cat].append(record)
-    return out
+                ids = render(messages)
+                (record,), _ = serve(engine, [ids], sampling, 1)
+                turns.append(TurnPrompt(category, prompt_id, turn, ids))
+                records.append(record)
+                messages.append({"role": "assistant", "content": decode(record["output_ids"])})
+    return turns, records
 
 
-def _timed_answer(engine: Any, sampling: dict[str, Any]) -> Callable[[list[int]], tuple[list[int], Turn]]:
-    def answer(ids: list[int]) -> tuple[list[int], Turn]:
-        start = time.perf_counter()
-        out = engine.generate(input_ids=ids, sampling_params=dict(sampling))
-        return list(out["output_ids"]), turn_record(out, time.perf_counter() - start)
+def summarize(records: list[dict[str, Any]], wall: float | None = None) -> dict[str, Any]:
+    """Totals of one mode at one concurrency. ``wall``: the batch's wall seconds (None: the summed
+    latencies, concurrency 1)."""
+    tokens = sum(r["completion_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records) if wall is None else wall
+    spec = [r for r in records if r.get("spec_verify_ct")]
+    verify = sum(r["spec_verify_ct"] for r in spec)
+    spec_tokens = sum(r["completion_tokens"] for r in spec)
+    hist = _sum_histograms([r["accept_histogram"] for r in spec if r.get("accept_histogram")])
+    steps = sum(hist)
+    return {
+        "tau": (spec_tokens - len(spec)) / verify if verify else None,  # verify steps' tokens / steps
+        "accept_length": spec_tokens / verify if verify else None,  # SGLang's spec_accept_length
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "completion_tokens": tokens,
+        "verify_steps": verify if spec else None,
+        "accept_histogram": hist or None,
+        # rate of verify steps accepting at least i drafts, i = 1..K
+        "accept_by_position": [sum(hist[i:]) / steps for i in range(1, len(hist))] if steps else [],
+        "ms_per_cycle": 1000 * seconds / verify if verify and wall is None else None,
+        "seconds": seconds,
+        "requests": len(records),
+        "mean_latency_s": sum(r["seconds"] for r in records) / len(records) if records else None,
+    }
 
-    return answer
+
+def _sum_histograms(hists: list[list[int]]) -> list[int]:
+    width = max((len(h) for h in hists), default=0)
+    return [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
 
 
-def _run_engine(kwargs: dict[str, Any], cfg: PipelineConfig, prompt_sets: dict[str, list[list[str]]]):
+def crossing(speedups: dict[int, float | None]) -> str:
+    """Where a speedup curve over concurrency crosses 1, in words (log-linear interpolation)."""
+    points = sorted((c, s) for c, s in speedups.items() if s is not None)
+    if not points:
+        return "not measured"
+    if all(s >= 1 for _, s in points):
+        c, s = points[-1]
+        return f"above 1 at every measured concurrency ({s:.2f}x at {c})"
+    if all(s < 1 for _, s in points):
+        return f"below 1 at every measured concurrency ({points[0][1]:.2f}x at {points[0][0]})"
+    for (c0, s0), (c1, s1) in zip(points, points[1:]):
+        if (s0 >= 1) != (s1 >= 1):
+            x0, x1 = math.log2(c0), math.log2(c1)
+            at = 2 ** (x0 + (1 - s0) * (x1 - x0) / (s1 - s0))
+            return f"crosses 1 between concurrency {c0} ({s0:.2f}x) and {c1} ({s1:.2f}x), near {at:.0f}"
+    return "not monotone"
+
+
+def mode_kwargs(cfg: PipelineConfig, mode: str, drafter_dir: str, fields: frozenset[str] | None = None
+                ) -> dict[str, Any]:
+    """The exact ``sglang.Engine`` kwargs of one bench mode (plain, chain or tree). ``fields``: the
+    ServerArgs field names (default: the installed SGLang's)."""
+    if mode == "plain":
+        kw = engine_kwargs(cfg.target, "generate")
+    else:
+        kw = engine_kwargs(cfg.target, "spec", drafter_dir=drafter_dir, bench=cfg.bench, spec_shape=mode)
+    return {**kw, **graph_kwargs(cfg.bench, kw, server_args_fields() if fields is None else fields)}
+
+
+def graph_kwargs(bench: BenchConfig, kw: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    """CUDA graphs on, captured up to the largest concurrency measured (fewer graphs to capture than
+    SGLang's default sizes), or off; the user's extra_engine_kwargs decide where they say."""
+    if not bench.cuda_graphs:
+        return {"disable_cuda_graph": True}
+    if GRAPH_MAX_BS in kw or "cuda_graph_config" in kw or GRAPH_MAX_BS not in fields:
+        return {}
+    return {GRAPH_MAX_BS: max(bench.concurrency)}
+
+
+def run_mode(
+    cfg: PipelineConfig,
+    mode: str,
+    drafter_dir: str,
+    conversations: dict[str, list[tuple[str, list[str]]]] | None = None,
+    turns: list[TurnPrompt] | None = None,
+    factory: EngineFactory | None = None,
+) -> dict[str, Any]:
+    """Start one engine, measure ``mode`` at every ``bench.concurrency``, shut it down.
+
+    plain takes ``conversations`` (``{category: [(prompt_id, user turns)]}``) and plans the turns
+    (returned as ``turns``); chain and tree take those ``turns``."""
     from eagle3_ray.data.chat import render_generation_prompt
     from eagle3_ray.engines.describe import load_tokenizer
 
-    sglang = import_sglang()
-    check_server_args(kwargs)
-    tok = load_tokenizer(cfg.target)
     b = cfg.bench
+    if factory is None:
+        factory = import_sglang().Engine
+        kwargs = mode_kwargs(cfg, mode, drafter_dir)
+        check_server_args(kwargs)
+    else:  # a test's fake names the ServerArgs fields it stands for
+        kwargs = mode_kwargs(cfg, mode, drafter_dir, getattr(factory, "server_args_fields", frozenset()))
     sampling = generate_sampling(b.max_new_tokens, b.temperature, 1.0, cfg.generate.seed)
-    engine = sglang.Engine(**kwargs)
+    tok = load_tokenizer(cfg.target)
+    render = lambda messages: render_generation_prompt(tok, messages)  # noqa: E731
+    started = time.perf_counter()
+    engine = start_engine(factory, kwargs, f"the SGLang {mode} engine of the bench")
+    start_seconds = time.perf_counter() - started
     try:
-        answer = _timed_answer(engine, sampling)
-        first = next(turns[0] for convs in prompt_sets.values() for turns in convs)
-        answer(render_generation_prompt(tok, [{"role": "user", "content": first}]))  # warm-up, not timed
-        return replay(
-            answer,
-            lambda messages: render_generation_prompt(tok, messages),
-            lambda ids: tok.decode(ids, skip_special_tokens=True),
-            prompt_sets,
-        )
+        first = turns[0].ids if turns else render([{"role": "user", "content": _first_text(conversations)}])
+        warm = dict(sampling, max_new_tokens=min(WARMUP_TOKENS, b.max_new_tokens))
+        serve(engine, [first] * min(8, max(b.concurrency)), warm, max(b.concurrency))  # not timed
+        by_c: dict[str, dict[str, Any]] = {}
+        c1_records = None
+        if mode == "plain":
+            turns, c1_records = plan_turns(engine, sampling, conversations or {}, render,
+                                           lambda ids: tok.decode(ids, skip_special_tokens=True))
+        assert turns is not None, "chain and tree answer the turns plain decoding planned"
+        for c in b.concurrency:
+            if c == 1 and c1_records is not None:
+                records, wall = c1_records, None
+            else:
+                records, wall = serve(engine, [t.ids for t in turns], sampling, c)
+                wall = None if c == 1 else wall
+                if c == 1:
+                    c1_records = records
+            by_c[str(c)] = summarize(records, wall)
+        return {
+            "mode": mode,
+            "start_seconds": start_seconds,
+            "server_args": {k: v for k, v in kwargs.items() if k.startswith(("speculative_", "cuda_graph", "disable_cuda"))},
+            "by_concurrency": by_c,
+            "c1_records": c1_records,
+            "turns": [asdict(t) for t in turns] if mode == "plain" else None,
+        }
     finally:
         engine.shutdown()
 
 
-def run_sglang_bench(
-    cfg: PipelineConfig, drafter_dir: str, prompt_sets: dict[str, list[list[str]]]
-) -> dict[str, Any]:
-    """``{"baseline": {...}, "eagle3": {"tau", "tokens_per_s", "speedup", "per_category", ...}}``."""
-    base_turns = _run_engine(engine_kwargs(cfg.target, "generate"), cfg, prompt_sets)
-    spec_kwargs = engine_kwargs(cfg.target, "spec", drafter_dir=drafter_dir, bench=cfg.bench)
-    spec_turns = _run_engine(spec_kwargs, cfg, prompt_sets)
-    baseline = summarize_run(base_turns)
+def start_engine(factory: EngineFactory, kwargs: dict[str, Any], what: str) -> Any:
+    """Build the engine. A failure to start raises EngineStartError naming the cause in one line (the
+    failed SGLang process's own exception where it can be read back), without SGLang taking this
+    process down with it: a retry would fail the same way (``engines.sglang.launch_sglang``)."""
+    from eagle3_ray.engines.sglang import launch_sglang
+
+    engine, _ = launch_sglang(kwargs, factory, what=what)
+    return engine
+
+
+def _first_text(conversations: dict[str, list[tuple[str, list[str]]]] | None) -> str:
+    return next(texts[0] for convs in (conversations or {}).values() for _, texts in convs)
+
+
+def combine(parts: dict[str, dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
+    """results.json's ``sglang`` section from the modes' ``run_mode`` outputs (plain first)."""
+    plain = parts["plain"]
+    turns = [TurnPrompt(**t) for t in plain["turns"]]
+    modes = {m: p["by_concurrency"] for m, p in parts.items() if "by_concurrency" in p}
+    speedup: dict[str, dict[str, float | None]] = {}
+    for mode in (m for m in modes if m != "plain"):
+        speedup[mode] = {str(c): _ratio(modes[mode].get(str(c)), modes["plain"].get(str(c))) for c in concurrency}
+    base_c1 = plain["c1_records"]
+    identical = {m: _identical(p["c1_records"], base_c1) for m, p in parts.items()
+                 if m != "plain" and p.get("c1_records")}
     return {
-        "baseline": baseline,
-        "eagle3": summarize_run(spec_turns, baseline),
-        "device": "cuda",
-        "engine": {k: spec_kwargs[k] for k in spec_kwargs if k.startswith("speculative_")},
+        "engine": "sglang",
+        "concurrency": list(concurrency),
+        "modes": modes,
+        "speedup": speedup,
+        "crossing": {m: crossing({int(c): s for c, s in curve.items()}) for m, curve in speedup.items()},
+        "identical_to_plain": identical,
+        "per_category": _grouped(parts, turns, lambda t: t.category),
+        "per_turn": _grouped(parts, turns, lambda t: str(t.turn + 1)),
+        "start_seconds": {m: p.get("start_seconds") for m, p in parts.items()},
+        "server_args": {m: p.get("server_args") for m, p in parts.items()},
+        "errors": {m: p["error"] for m, p in parts.items() if p.get("error")},
+        "num_turns": len(turns),
+        "num_prompts": len({(t.category, t.prompt_id) for t in turns}),
     }
+
+
+def _ratio(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+    tps, base_tps = (row or {}).get("tokens_per_s"), (base or {}).get("tokens_per_s")
+    return tps / base_tps if tps and base_tps else None
+
+
+def _identical(records: list[dict[str, Any]], base: list[dict[str, Any]]) -> float | None:
+    pairs = list(zip(records, base))
+    return sum(r["output_ids"] == b["output_ids"] for r, b in pairs) / len(pairs) if pairs else None
+
+
+def _grouped(parts: dict[str, dict[str, Any]], turns: list[TurnPrompt], key: Callable[[TurnPrompt], str]
+             ) -> dict[str, dict[str, Any]]:
+    """Concurrency-1 summaries per group of turns (a category, a turn index), with speedups."""
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(turns):
+        groups.setdefault(key(t), []).append(i)
+    out: dict[str, dict[str, Any]] = {}
+    for name, idx in groups.items():
+        rows = {m: summarize([p["c1_records"][i] for i in idx]) for m, p in parts.items() if p.get("c1_records")}
+        for m, row in rows.items():
+            row["speedup"] = _ratio(row, rows.get("plain")) if m != "plain" else 1.0
+        out[name] = rows
+    return out
+
+
+def summary_keys(section: dict[str, Any], hf_tau: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """The headline figures of an SGLang bench: ``sglang_spec_vs_plain_<mode>_c<c>``,
+    ``sglang_tau_<mode>`` (concurrency 1) and, given the project's own HF bench tau of the same
+    turns, ``sglang_vs_own_tau_diff_<mode>`` (SGLang minus HF)."""
+    keys: dict[str, Any] = {}
+    for mode, curve in section["speedup"].items():
+        for c, s in curve.items():
+            keys[f"sglang_spec_vs_plain_{mode}_c{c}"] = s
+    for mode, by_c in section["modes"].items():
+        if mode != "plain":
+            keys[f"sglang_tau_{mode}"] = (by_c.get("1") or next(iter(by_c.values()), {})).get("tau")
+    for mode, tau in (hf_tau or {}).items():
+        own = keys.get(f"sglang_tau_{mode}")
+        keys[f"sglang_vs_own_tau_diff_{mode}"] = own - tau if own is not None and tau is not None else None
+    keys["sglang_cuda_graphs"] = all("disable_cuda_graph" not in (a or {}) for a in section["server_args"].values())
+    keys["sglang_plain_tokens_per_s_c1"] = (section["modes"]["plain"].get("1") or {}).get("tokens_per_s")
+    return keys
+
+
+def conversations_of(prompt_sets: dict[str, list[Any]]) -> dict[str, list[tuple[str, list[str]]]]:
+    """``{category: [Prompt]}`` as plain data for a Ray task: ``{category: [(id, turns)]}``."""
+    return {cat: [(p.id, list(p.turns)) for p in prompts] for cat, prompts in prompt_sets.items()}
+
+
+def modes_to_run(bench: BenchConfig) -> list[str]:
+    return ["plain", *[m for m in SPEC_MODES if m in bench.modes]]

@@ -67,12 +67,15 @@ def self_distill(
     sampling = _Sampling(max_new_tokens, temperature, top_p)
     summary = DistillSummary(len(samples), len(samples) - len(todo), 0, 0, 0, 0, 0.0)
     report = progress or _LinePrinter(start=summary.skipped)
-    calls = 0
-    with open(out, "a", encoding="utf-8") as f:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            convs, stats = _answer_batch(engine, tokenizer, batch, sampling, seed + calls)
-            calls += stats["calls"]
+    batches = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
+    seeds, calls = [], 0
+    for batch in batches:  # each batch's first seed, as if answered one after the other
+        seeds.append(seed + calls)
+        calls += _calls_needed(batch)
+    with open(out, "a", encoding="utf-8") as f, _Answering(engine, tokenizer, sampling) as answering:
+        done = 0
+        for batch, (convs, stats) in zip(batches, answering.in_order(batches, seeds)):
+            start, done = done, done + len(batch)
             _append(f, [{"id": s.sample_id, "conversations": c} for s, c in zip(batch, convs)])
             summary.generated += sum(s.needs_generation for s in batch)
             summary.passed_through += sum(not s.needs_generation for s in batch)
@@ -113,6 +116,62 @@ def _pending(samples: list[Sample], done: set[str]) -> list[Sample]:
             seen.add(s.sample_id)
             todo.append(s)
     return todo
+
+
+class _Answering:
+    """Answers batches in order. An engine that batches across calls (``engine.calls_in_flight`` > 1:
+    SGLang's scheduler fills each forward from every request it holds) gets that many batches at
+    once, from threads, so that it always holds the next batch's requests: one call at a time left
+    it decoding only a batch's longest answers at the end of each call. Others, one at a time."""
+
+    def __init__(self, engine: TargetEngine, tokenizer: Any, sampling: _Sampling):
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.width = max(1, int(getattr(engine, "calls_in_flight", 1) or 1))
+        self.pool = None
+        if self.width > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(self.width, thread_name_prefix="eagle3-ray-distill")
+
+    def __enter__(self) -> "_Answering":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def in_order(self, batches: list[list[Sample]], seeds: list[int]):
+        answer = lambda b, s: _answer_batch(self.engine, self.tokenizer, b, self.sampling, s)  # noqa: E731
+        if self.pool is None:
+            for batch, first_seed in zip(batches, seeds):
+                yield answer(batch, first_seed)
+            return
+        from collections import deque
+
+        pending: deque = deque()
+        jobs = iter(zip(batches, seeds))
+        for batch, first_seed in jobs:
+            pending.append(self.pool.submit(answer, batch, first_seed))
+            if len(pending) >= self.width:
+                break
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(jobs, None)
+            if nxt is not None:
+                pending.append(self.pool.submit(answer, *nxt))
+            yield result
+
+
+def _calls_needed(batch: list[Sample]) -> int:
+    """The engine calls ``_answer_batch`` makes for ``batch``: one per user turn of its longest question."""
+    longest = 0
+    for s in batch:
+        if s.needs_generation:
+            q = list(s.messages)
+            while q and q[0]["role"] != "user":
+                q.pop(0)
+            longest = max(longest, len(q))
+    return longest
 
 
 def _answer_batch(

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import TargetEngine
+from eagle3_ray.errors import engine_start
 
 
 def build_engine(cfg: TargetConfig, batch_tokens: int = 8192, mode: str = "capture") -> TargetEngine:
-    if cfg.backend == "hf":
-        from eagle3_ray.engines.hf import HFEngine
+    """The engine of ``cfg.backend``. A failure to build it is an ``EngineStartError`` naming the
+    cause (``errors.engine_start``): it would fail the same way again, so the stage stops."""
+    what = f"the {'HF' if cfg.backend == 'hf' else 'SGLang'} engine of target.model={cfg.model!r}"
+    with engine_start(what):
+        if cfg.backend == "hf":
+            from eagle3_ray.engines.hf import HFEngine
 
-        return HFEngine(cfg, batch_tokens=batch_tokens)
-    from eagle3_ray.engines.sglang import SGLangEngine
+            return HFEngine(cfg, batch_tokens=batch_tokens)
+        from eagle3_ray.engines.sglang import SGLangEngine
 
-    return SGLangEngine(cfg, mode=mode)
+        return SGLangEngine(cfg, mode=mode)

@@ -18,7 +18,9 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -35,7 +37,9 @@ from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.engines.aux_layers import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
 from eagle3_ray.engines.sglang_hooks import CAPTURE_SUFFIX, FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
-from eagle3_ray.errors import ConfigError, EngineError
+from eagle3_ray.engines.sglang_modules import sglang_module_paths
+from eagle3_ray.engines.sglang_tp import layer_hook_tp_kwargs
+from eagle3_ray.errors import ConfigError, EngineError, EngineStartError, exception_line
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +198,16 @@ def check_extra_kwargs(extra: dict[str, Any], mode: Mode) -> None:
             )
 
 
-def _spec_kwargs(drafter_dir: str | Path | None, bench: BenchConfig | None) -> dict[str, Any]:
+def _spec_kwargs(drafter_dir: str | Path | None, bench: BenchConfig | None,
+                 shape: Literal["chain", "tree"] | None = None) -> dict[str, Any]:
+    """EAGLE-3 with the drafter in ``drafter_dir``: a ``chain`` (top-1, ``bench.num_steps`` drafts) or a
+    ``tree`` (``bench.topk`` x ``bench.depth``, ``bench.total_tokens`` verified); default: the tree
+    when ``bench.modes`` lists it."""
     if drafter_dir is None or bench is None:
         raise ConfigError("mode='spec' needs drafter_dir (an exported drafter) and the bench config")
-    if "tree" in bench.modes:
+    if shape not in (None, "chain", "tree"):
+        raise ConfigError(f"spec_shape={shape!r}: use 'chain' or 'tree'")
+    if shape == "tree" or (shape is None and "tree" in bench.modes):
         steps, topk, tokens = bench.depth, bench.topk, bench.total_tokens
     else:  # a chain verifies its K drafts plus the bonus token
         steps, topk, tokens = bench.num_steps, 1, bench.num_steps + 1
@@ -218,8 +228,16 @@ def _capture_kwargs(
     ids = sglang_aux_ids(info.aux_layers, info.model_type, info.num_layers)  # also refuses index L
     hook_config = {"dir": str(capture_dir), "tp_size": target.tp_size}
     forced = {k: v for k, (v, _) in CAPTURE_FORCED.items()}
+    # Exact module names of the class SGLang builds (a wrapper such as Kimi-K2.5 nests its text model).
+    paths = sglang_module_paths(info.architectures, target.sglang.extra_engine_kwargs)
     if AUX_FLAG in fields:
-        lp_hook = {"name": HOOK_NAME, "target_modules": ["logits_processor"], "hook_factory": FACTORY_PATH,
+        if not paths.aux_states:
+            raise ConfigError(
+                f"SGLang's {info.architectures[0]} does not hand set_eagle3_layers_to_capture to its language model, "
+                f"so SGLang refuses {AUX_FLAG} for it and no aux states reach {paths.logits_processor}: capture this "
+                "target with target.backend=hf, or with an SGLang without that flag (sglang 0.5.17: layer hooks)"
+            )
+        lp_hook = {"name": HOOK_NAME, "target_modules": [paths.logits_processor], "hook_factory": FACTORY_PATH,
                    "config": hook_config}
         return {**forced, **{k: v for k, (v, _) in CAPTURE_FORCED_AUX_FLAG.items()},
                 "return_aux_hidden_state_layer_ids": ids, "forward_hooks": [lp_hook]}
@@ -228,13 +246,15 @@ def _capture_kwargs(
             f"capturing a {info.model_type!r} target needs SGLang's {AUX_FLAG} (sglang 0.5.23); the installed "
             f"SGLang lacks it, and the layer-hook capture covers only {LAYER_HOOK_MODELS}: install sglang==0.5.23"
         )
+    # Under TP a hooked layer must return reduced, whole rows: force off or refuse what breaks that.
+    forced.update(layer_hook_tp_kwargs(target.tp_size, target.sglang.extra_engine_kwargs, fields))
     # HF hidden_states[k] is the summed output of decoder layer k - 1 (layer 0's output is k = 1).
     layer_hooks = [
-        {"name": f"{HOOK_NAME}_aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
+        {"name": f"{HOOK_NAME}_aux{slot}", "target_modules": [paths.decoder_layer(k - 1)],
          "hook_factory": LAYER_FACTORY_PATH, "config": {**hook_config, "slot": slot}}
         for slot, k in enumerate(info.aux_layers)
     ]
-    lp_hook = {"name": HOOK_NAME, "target_modules": ["logits_processor"], "hook_factory": FACTORY_PATH,
+    lp_hook = {"name": HOOK_NAME, "target_modules": [paths.logits_processor], "hook_factory": FACTORY_PATH,
                "config": {**hook_config, "layer_slots": len(info.aux_layers)}}
     return {**forced, "forward_hooks": [*layer_hooks, lp_hook]}
 
@@ -249,11 +269,13 @@ def engine_kwargs(
     bench: BenchConfig | None = None,
     node_rank: int = 0,
     fields: frozenset[str] | None = None,
+    spec_shape: Literal["chain", "tree"] | None = None,
 ) -> dict[str, Any]:
     """The exact kwargs given to ``sglang.Engine`` for ``mode``.
 
     capture: target only, hooks + forced settings; generate: plain decoding (prefix cache on);
-    spec: EAGLE-3 speculative decoding with ``drafter_dir`` (shape from ``bench``).
+    spec: EAGLE-3 speculative decoding with ``drafter_dir`` (``spec_shape`` chain or tree, sized by
+    ``bench``).
     ``info`` (aux layers, model type, depth) is read from the target config when not given;
     ``fields`` (the ServerArgs field names, which pick the capture path) from the installed SGLang.
     """
@@ -269,7 +291,7 @@ def engine_kwargs(
             info = describe_target(config)
         kw.update(_capture_kwargs(config, info, capture_dir, server_args_fields() if fields is None else fields))
     elif mode == "spec":
-        kw.update(_spec_kwargs(drafter_dir, bench))
+        kw.update(_spec_kwargs(drafter_dir, bench, spec_shape))
     return {**kw, **extra}
 
 
@@ -372,6 +394,148 @@ def live_children() -> set[int]:
     return alive
 
 
+# Failing to start, SGLang's processes take this process with them unless told otherwise. A scheduler
+# (or detokenizer) that raises logs "<Scheduler> hit an exception: <traceback>" to its stderr, which it
+# shares with this process, and SIGQUITs its parent; the handler sglang.Engine installs for its launch
+# then kills the whole process tree, this process included. Under Ray that is a worker crash, which Ray
+# retries, failing the same way each time, with no error for the caller (a deep_gemm import failing in
+# CUDA-graph capture did that to the benchmark on an H200). Given ServerArgs.custom_sigquit_handler,
+# SGLang registers that instead (0.5.17 and 0.5.23, from the main thread): ours only notes the signal,
+# SGLang's own start-up wait notices the dead scheduler and raises, and launch_sglang reads the failed
+# process's exception back from the shared stderr (a Ray worker's log file). It stays installed after
+# the start, so a scheduler failing later is a dead process that SGLangEngine restarts, not a kill.
+SIGQUIT_KWARG = "custom_sigquit_handler"
+_sigquits: list[float] = []  # when a child's SIGQUIT came (keep_running_on_sigquit)
+# What SGLang's processes log when they fail (scheduler.py, detokenizer_manager.py, ...).
+_HIT = re.compile(r"(\w+) hit an exception: ")
+_STDERR_TAIL_BYTES = 4 << 20  # the end of stderr read back for that line after a failed start
+
+
+def keep_running_on_sigquit(signum: int, frame: Any) -> None:
+    """SIGQUIT handler given to SGLang (``custom_sigquit_handler``): a process of the engine failed.
+    Noted only; the process keeps running (see launch_sglang). Pickled by reference into SGLang's
+    processes (a module-level function)."""
+    _sigquits.append(time.monotonic())
+
+
+class _StderrTail:
+    """What this process's stderr (fd 2, shared with the processes SGLang starts) receives from now
+    on, where it is a regular file (a Ray worker's log file, pytest's capture); nothing elsewhere."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.start, self.path = 0, ""
+        try:
+            st = os.fstat(2)
+            if stat.S_ISREG(st.st_mode):
+                self.path = os.readlink("/proc/self/fd/2").removesuffix(" (deleted)")
+                self.fd = os.open("/proc/self/fd/2", os.O_RDONLY)  # its own offset, the same file
+                self.start = st.st_size
+        except OSError:  # no /proc (not Linux), or stderr closed
+            self.close()
+
+    def read(self) -> str:
+        if self.fd is None:
+            return ""
+        try:
+            end = os.fstat(self.fd).st_size
+            start = max(self.start, end - _STDERR_TAIL_BYTES)
+            return os.pread(self.fd, max(0, end - start), start).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def logged_failure(text: str) -> str | None:
+    """``"<Process> failed with <Type>: <message>"`` from the first "<Process> hit an exception:
+    <traceback>" that SGLang logged in ``text``, the traceback's final exception; None without one."""
+    hit = _HIT.search(text)
+    if hit is None:
+        return None
+    cause, in_frames = None, False
+    for line in text[hit.end():].splitlines()[:5000]:
+        if line.startswith("Traceback (most recent call last)"):
+            in_frames = True
+        elif not line.strip() or line.startswith((" ", "\t", "During handling of the above exception",
+                                                  "The above exception was the direct cause")):
+            continue  # a frame, a blank line, or the link to a chained exception's traceback
+        elif in_frames:  # the first line after the frames: the exception
+            cause, in_frames = line.strip(), False
+        else:
+            break  # past the traceback (the next log line, or a message's continuation)
+    return f"{hit.group(1)} failed with {cause}" if cause else None
+
+
+def _kill_tree(pids: set[int]) -> None:
+    import psutil
+
+    every = set(pids)
+    for pid in pids:
+        try:
+            every.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    _kill(every)
+
+
+def launch_sglang(kwargs: dict[str, Any], factory: Callable[..., Any] | None = None,
+                  what: str = "the SGLang engine") -> tuple[Any, set[int]]:
+    """``factory(**kwargs)`` (default ``sglang.Engine``) and the pids of the processes it started.
+
+    A failure to start is an ``EngineStartError`` raised here, its one-line message naming ``what`` and
+    the cause: the exception the failed SGLang process logged where this process's stderr is a file
+    (a Ray worker's log), else SGLang's own error and where the traceback went. SGLang is given
+    ``custom_sigquit_handler`` (unless ``kwargs`` sets one) so that the failure does not kill this
+    process (see keep_running_on_sigquit); the processes the failed start left are killed.
+    """
+    import signal
+
+    if factory is None:
+        factory = import_sglang().Engine
+    kwargs = {SIGQUIT_KWARG: keep_running_on_sigquit, **kwargs}
+    if threading.current_thread() is not threading.main_thread() and \
+            signal.getsignal(signal.SIGQUIT) in (signal.SIG_DFL, None):
+        logger.warning("%s is started outside the main thread, where SGLang cannot register its SIGQUIT "
+                       "handler: an SGLang process that fails will end this process", what)
+    before, quits, tail = live_children(), len(_sigquits), _StderrTail()
+    try:
+        try:
+            engine = factory(**kwargs)
+        except Exception as e:
+            _kill_tree(live_children() - before)
+            raise EngineStartError(_start_failure(what, e, tail, len(_sigquits) > quits)) from e
+        procs = live_children() - before
+        if len(_sigquits) > quits:  # a process failed while starting, yet the engine returned
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("shutting down the half-started SGLang engine failed; killing its processes")
+            _kill_tree(procs | (live_children() - before))
+            raise EngineStartError(_start_failure(what, None, tail, True))
+        return engine, procs
+    finally:
+        tail.close()
+
+
+def _start_failure(what: str, e: BaseException | None, tail: _StderrTail, child_failed: bool) -> str:
+    """The one-line message of a failed start (launch_sglang)."""
+    cause = logged_failure(tail.read())
+    sglang = "" if e is None else exception_line(e, 300)
+    if cause is not None:
+        said = f" (SGLang: {sglang.split('. ')[0]})" if sglang else ""
+        where = f"; its traceback is in {tail.path}" if tail.path else ""
+        return f"{what} could not start: {cause}{said}{where}"
+    if not child_failed and "died during initialization" not in sglang and "Initialization failed" not in sglang:
+        return f"{what} could not start: {sglang}"  # raised by this process, not by one SGLang started
+    where = (f"read the failed process's traceback ('hit an exception') in {tail.path}" if tail.path else
+             "the failed process logged its traceback ('hit an exception') to this process's stderr")
+    return f"{what} could not start: {sglang or 'an SGLang process failed while starting'}; {where}"
+
+
 class SGLangEngine:
     """``TargetEngine`` on ``sglang.Engine``; ``mode`` picks capture or generation settings.
 
@@ -381,6 +545,11 @@ class SGLangEngine:
     to ``max_restarts`` times over the engine's life. SGLang's own subprocess watchdog is stopped:
     it would SIGQUIT this process, which kills the whole process tree (the Ray actor with it).
     """
+
+    # Generate calls a caller may keep in flight (data/distill.py): SGLang's scheduler batches the
+    # requests of every call it holds, so the next call's requests fill the forwards that one call's
+    # longest answers would leave nearly empty.
+    calls_in_flight = 4
 
     def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0,
                  max_restarts: int = MAX_RESTARTS, engine_factory: Callable[..., Any] | None = None):
@@ -437,11 +606,16 @@ class SGLangEngine:
             except ConfigError:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 raise
-        kwargs = self._kwargs()
-        check_server_args(kwargs)
-        before = live_children()
-        self._engine = self._factory(**kwargs)
-        self._procs = live_children() - before
+        try:
+            kwargs = self._kwargs()
+            check_server_args(kwargs)
+            # A failed start raises EngineStartError naming its cause, and leaves this process alive.
+            what = f"the SGLang engine (mode {self.mode}) of target.model={self._target.model!r}"
+            self._engine, self._procs = launch_sglang(kwargs, self._factory, what)
+        except BaseException:
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()

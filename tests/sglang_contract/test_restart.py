@@ -128,6 +128,12 @@ class FakeSGLangEngine:
     def __init__(self, delay: float = 0.2, layers: int = 6, **kwargs):
         from sglang.srt.utils.watchdog import SubprocessWatchdog
 
+        # As sglang.Engine's launch: the engine's SIGQUIT handler, registered from the main thread
+        # (its start-up failures: test_start_failure.py). Not a kwarg the scheduler needs.
+        handler = kwargs.pop(sg.SIGQUIT_KWARG, None)
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, handler)
+
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, str(REPO)])}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SCHEDULER, str(H), json.dumps(kwargs), str(delay), str(layers)],

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Does the drafter pay where users serve it? SGLang's EAGLE-3 decoding against SGLang's plain decoding,
+# both CUDA-graphed, through the product (`eagle3-ray bench bench.engine=sglang`), on one GPU.
+# Each step is one device call, issued back to back (the machine keeps /tmp while warm), after the
+# payload steps of h200_session.sh (gg1, gg2, base; sgl1, sgl2, sgl3). Results go to $OUT.
+#
+#   source benchmarks/device/h200_session.sh env && STEP=<step> BUDGET=<s> bash benchmarks/device/serving.sh
+#
+# Steps:
+#   train    the preset's pipeline to its export (HF engine), trimmed to one call: one answer per prompt
+#            and 3,000 requests of the target's own, 3 epochs (the preset: two answers, 12,000 requests,
+#            5 epochs, three calls). Resumes like product_h200.sh; the drafter comes back as drafter.tgz.part-*.
+#   bench    the SGLang bench of that drafter: MT-bench all 80 questions, both turns, 1024 new tokens,
+#            plain / chain(3) / the preset's tree at concurrency 1, 8 and 32.
+#   compare  bench.engine=both on 16 MT-bench questions (2 per category), chain(3), concurrency 1: SGLang's
+#            tau against the project's own HF decoder on the same prompts.
+#   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
+#   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang.
+set -uo pipefail
+: "${STEP:?STEP=train|bench|compare|cycle|generate}" "${BUDGET:=540}" "${RUN:=/tmp/serving}" "${OUT:=/tmp/serving-out}"
+mkdir -p "$RUN" "$OUT"
+export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
+GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+SG='target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none}'
+MT='bench.prompts=[{"path":".gq/mt_bench.jsonl","max_prompts":80}]'
+t0=$(date +%s)
+cli() { timeout -k 30 -s INT "$BUDGET" python3 -m eagle3_ray.cli "$@"; }
+case "$STEP" in
+  train)
+    DATA=.gq/train_prompts_mt.jsonl RUN=$RUN/train BUDGET=$BUDGET OUT=$OUT \
+      EXTRA='generate.samples_per_prompt=1 generate.synthetic_prompts=3000 extract.compact=fp8 train.epochs=3 train.eval_every=400 train.val_groups={"mt_bench":"mtbench-[0-9]+","gsm8k":"gsm8k-.*","synthetic":"synthetic:.*","chat":".*"} train.eval_only=["mt_bench"] --stop-after export' \
+      bash benchmarks/device/product_h200.sh ;;
+  bench)
+    [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz.part-* | tar -xz -C "$RUN/train/out"; }
+    cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/bench" \
+      target.model=$GGUF bench.engine=sglang bench.max_new_tokens=1024 "$MT" "$SG" 2>&1 | tee "$RUN/bench.log"
+    cp "$RUN/bench/results.json" "$OUT/sglang_bench.json"; cp "$RUN/bench/report.md" "$OUT/sglang_bench_report.md"
+    cp "$RUN/bench.log" "$OUT/sglang_bench.log" ;;
+  compare)
+    cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/compare" \
+      target.model=$GGUF bench.engine=both bench.modes=[chain] bench.concurrency=[1] bench.untrained=false \
+      bench.max_new_tokens=1024 'bench.prompts=[{"path":".gq/mt_bench.jsonl","max_prompts":16}]' "$SG" 2>&1 | tee "$RUN/compare.log"
+    cp "$RUN/compare/results.json" "$OUT/sglang_compare.json"; cp "$RUN/compare/report.md" "$OUT/sglang_compare_report.md" ;;
+  cycle)
+    # SGLang builds a random:<dir> target with dummy weights from the dir's config.json (no tokenizer:
+    # the engine takes token ids; single-turn prompts, since no history is decoded from its tokens)
+    mkdir -p /tmp/l8b && cp eagle3_ray/resources/llama3.1-8b-shape.json /tmp/l8b/config.json
+    timeout -k 30 -s INT "$BUDGET" python3 benchmarks/device/sglang_cycle.py --target random:/tmp/l8b \
+      --prompts .gq/gsm8k_test.jsonl --max-prompts 16 --out "$RUN/cycle_8b" 2>&1 | grep "^\[cycle\]\|Error\|error"
+    cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json"
+    timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
+      --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "^\[cycle\]\|Error\|error"
+    cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json" ;;
+  generate)
+    for engine in hf sglang; do
+      extra=(); [ $engine = sglang ] && extra=(target.backend=sglang "$SG")
+      /usr/bin/time -f "[generate] $engine wall %e s" timeout -k 30 -s INT $(( (BUDGET - ($(date +%s) - t0)) / 2 )) \
+        python3 -m eagle3_ray.cli generate -c configs/smollm2-h200.yaml --data .gq/train_prompts_mt.jsonl \
+        --out "$RUN/gen-$engine" target.model=$GGUF data.max_samples=3000 generate.samples_per_prompt=1 \
+        generate.synthetic_prompts=0 "${extra[@]}" 2>&1 | grep -v "^\[self-distill\]\|Running" | tail -n 5
+    done
+    for engine in hf sglang; do cp "$RUN/gen-$engine/_DONE.json" "$OUT/generate_$engine.json" 2>/dev/null; done ;;
+  *) echo "unknown STEP $STEP" >&2; exit 2 ;;
+esac
+echo "step $STEP: $(( $(date +%s) - t0 )) s"
