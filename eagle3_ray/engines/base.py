@@ -60,6 +60,9 @@ class EngineInfo:
     dtype: str  # dtype of captured features as computed ("bfloat16", "float32")
     fingerprint: str  # identifies the target weights+config (for caches and mismatch checks)
     extra: dict = field(default_factory=dict)
+    # config.json's top-level "architectures" (the class SGLang builds, e.g. KimiK25ForConditionalGeneration
+    # around a DeepSeek-V3 text model): where SGLang keeps the modules the capture hooks. () if none.
+    architectures: tuple[str, ...] = ()
 
 
 @dataclass

@@ -21,6 +21,12 @@ _VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "q
 
 def target_hf_config(cfg: TargetConfig):
     """The transformers config of the target (text config for multimodal wrappers)."""
+    hf = _top_hf_config(cfg)
+    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+
+
+def _top_hf_config(cfg: TargetConfig):
+    """The transformers config of the target as config.json has it (a multimodal wrapper's own)."""
     from transformers import AutoConfig
 
     from eagle3_ray.engines.targets import resolve_target
@@ -33,7 +39,7 @@ def target_hf_config(cfg: TargetConfig):
             hf = AutoConfig.for_model(**json.loads(resolved.config_source.read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError) as e:
         raise TargetLoadError(f"target.model={cfg.model!r}: cannot read its config ({e})") from e
-    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return hf
 
 
 def tokenizer_path_for(cfg: TargetConfig) -> Path:
@@ -79,7 +85,8 @@ def check_tp_size(hf: Any, tp_size: int) -> None:
 
 def describe_target(cfg: TargetConfig) -> EngineInfo:
     """EngineInfo from the config and weight-file identity only (no weights loaded)."""
-    hf = target_hf_config(cfg)
+    top = _top_hf_config(cfg)
+    hf = top.get_text_config() if hasattr(top, "get_text_config") else top
     check_tp_size(hf, cfg.tp_size)
     num_layers = int(hf.num_hidden_layers)
     config = {k: v for k, v in hf.to_dict().items() if k not in _VOLATILE}
@@ -92,4 +99,6 @@ def describe_target(cfg: TargetConfig) -> EngineInfo:
         aux_layers=resolve_aux_layers(cfg.aux_layers, num_layers),
         dtype="bfloat16",
         fingerprint=hashlib.sha256(ident.encode()).hexdigest()[:16],
+        # What SGLang builds (the wrapper for a multimodal checkpoint, e.g. Kimi-K2.5), not the text model.
+        architectures=tuple(getattr(top, "architectures", None) or ()),
     )

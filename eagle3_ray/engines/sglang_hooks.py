@@ -14,7 +14,8 @@ final norm (the lm_head input). N is the sum of the batch's extend lengths, requ
   ``logits_processor`` as a list of three [N, H] tensors or one packed [N, 3H] tensor.
 - SGLang without it (0.5.17): aux capture is tied to loading an EAGLE-3 draft, so
   ``aux_hidden_states`` is None. Instead one more hook per aux layer sits on decoder layer ``c``
-  (``model.layers.<c>``), whose output ``(hidden_states, residual)`` sums to the residual stream
+  (``model.layers.<c>``; ``language_model.model.layers.<c>`` in a wrapper such as Kimi-K2.5,
+  engines/sglang_modules.py), whose output ``(hidden_states, residual)`` sums to the residual stream
   after ``c + 1`` layers, HF ``hidden_states[c + 1]``: the same sum SGLang's own capture takes at
   the next layer's input (``hidden_states + residual``, models/llama.py). The layer hooks park
   their rows here, in this process, and the ``logits_processor`` hook of the same forward takes them.

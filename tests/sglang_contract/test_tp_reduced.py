@@ -117,7 +117,8 @@ def kimi(tmp_path_factory, tiny_llama_config):
     assert cfg.target.tp_size == 8
     target = cfg.target.model_copy(update={"model": str(d)})
     info = EngineInfo(model_type="deepseek_v3", num_layers=61, hidden_size=7168, vocab_size=163840,
-                      aux_layers=list(cfg.target.aux_layers), dtype="bfloat16", fingerprint="kimi")
+                      aux_layers=list(cfg.target.aux_layers), dtype="bfloat16", fingerprint="kimi",
+                      architectures=("KimiK25ForConditionalGeneration",))
     return target, info
 
 
@@ -349,13 +350,14 @@ def test_kimi_tp8_capture_kwargs_exclude_every_condition(kimi, tmp_path, monkeyp
     targets = [m for h in kw["forward_hooks"] for m in h["target_modules"]]
     if HAS_AUX_FLAG:
         # SGLang's own aux states (captured after the sum completes, below); no decoder layer is hooked.
-        assert targets == ["logits_processor"] and kw[sg.AUX_FLAG] is True
+        assert targets == ["language_model.logits_processor"] and kw[sg.AUX_FLAG] is True
         assert not set(tp.TP_FORCED) & set(kw)  # nothing of the layer-hook guard is needed here
         # Were the layer hooks taken here, every layer output would owe its sum: refused, saying why.
         with pytest.raises(ConfigError, match="partial sums.*sglang==0.5.23"):
             _kimi_kwargs(kimi, tmp_path, fields=FIELDS - {sg.AUX_FLAG})
         return
-    assert targets == ["model.layers.1", "model.layers.29", "model.layers.57", "logits_processor"]  # HF [2, 30, 58]
+    assert targets == ["language_model.model.layers.1", "language_model.model.layers.29",  # HF [2, 30, 58]
+                       "language_model.model.layers.57", "language_model.logits_processor"]
     # The off switch of the fusion SGLang enables by itself; every other condition left at its default,
     # which SGLang changes only on a refused setting (previous test).
     assert {k: kw[k] for k in tp.TP_FORCED} == {"enforce_disable_flashinfer_allreduce_fusion": True}
