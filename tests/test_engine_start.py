@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_ray.engines.sglang import logged_failure
+from eagle3_ray.engines.sglang_process import logged_failure
 from eagle3_ray.errors import EngineStartError, engine_start, exception_line
 
 CI_CONFIG = "configs/ci-tiny.yaml"

@@ -201,3 +201,40 @@ def test_runner_resumes_modes_and_reports_a_failed_mode(tmp_path, monkeypatch):
     assert "## SGLang: EAGLE-3 against SGLang's plain decoding" in text
     assert "| chain | 4 |" in text and "Acceptance histogram at concurrency 1" in text
     assert "CUDA graphs on in every engine" in text
+
+
+class HangingEngine(FakeSGLangEngine):
+    """FAKE engine that starts and then never answers (what a hung SGLang scheduler looks like)."""
+
+    async def async_generate(self, input_ids, sampling_params):
+        await asyncio.sleep(3600)
+
+
+def test_an_engine_that_stops_answering_ends_the_mode_with_an_error(monkeypatch):
+    monkeypatch.setattr(sb, "STALL_S", 1.0)
+    began = __import__("time").monotonic()
+    with pytest.raises(EngineError, match=r"the SGLang plain engine of the bench answered nothing for 1 s"):
+        sb.run_mode(_cfg(), "plain", "/drafter", CONVERSATIONS, factory=HangingEngine)
+    assert __import__("time").monotonic() - began < 30
+    assert FakeSGLangEngine.instances[-1].closed  # shut down on the way out
+
+
+def test_a_dead_engine_process_ends_the_wait(monkeypatch):
+    """A real child process stands for the scheduler: killed mid-call, the wait ends at once."""
+    import subprocess
+
+    from eagle3_ray.engines import sglang_process as sp
+
+    monkeypatch.setattr(sp, "LIVENESS_POLL_S", 0.1)
+    scheduler = subprocess.Popen(["sleep", "60"])
+    engine = HangingEngine()
+    loop = sp.EngineLoop(engine, {scheduler.pid}, "the test engine")
+    try:
+        import threading
+
+        threading.Timer(0.5, scheduler.kill).start()
+        with pytest.raises(sp.EngineDied, match=rf"the test engine: SGLang processes \[{scheduler.pid}\] exited"):
+            loop.call(engine.async_generate([1], {"max_new_tokens": 1}))
+    finally:
+        loop.close()
+        scheduler.wait()

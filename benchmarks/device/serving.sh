@@ -21,7 +21,7 @@ set -uo pipefail
 mkdir -p "$RUN" "$OUT"
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-SG='target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none}'
+SG='target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none, log_level: info}'
 MT='bench.prompts=[{"path":".gq/mt_bench.jsonl","max_prompts":80}]'
 t0=$(date +%s)
 cli() { timeout -k 30 -s INT "$BUDGET" python3 -m eagle3_ray.cli "$@"; }

@@ -16,8 +16,8 @@ replay's argmax reproduced the baseline) and calls the divergence explained when
 with ``ulp(x)`` the spacing of the target dtype's numbers at |x| (bf16: 2^(floor(log2|x|) - 7)).
 The scale is the row's, not the top two's: two forwards differ by the rounding of the activations
 that every logit is computed from, so the difference is of the same size for every entry of a row,
-small logits included. Measured on the H200 (SmolLM2-135M, bf16,
-``benchmarks/device/divergence_probe.py``): over the 127 positions of one turn, the largest
+small logits included. Measured on the H200 (SmolLM2-135M, bf16, at ee8d170 with
+``benchmarks/device/divergence_probe.py``, since removed; ``benchmarks/results/divergence_probe_h200_w{4,49}.json``): over the 127 positions of one turn, the largest
 |verify - decode| difference of a row had median 0.31 and maximum 0.91, in rows whose largest
 |logit| was about 40 (4 ulps = 1.0). At the position that turn diverged, the top two logits were
 1.9 and 1.8: 4 ulps of those is 0.03, a third of the smallest such difference seen, so a bound taken

@@ -38,9 +38,13 @@ from eagle3_ray.engines.sglang import (
     import_sglang,
     server_args_fields,
 )
+from eagle3_ray.engines.sglang_process import EngineLoop, launch_sglang
+from eagle3_ray.progress import say
 
 SPEC_MODES = ("chain", "tree")
 WARMUP_TOKENS = 32
+STALL_S = 300.0  # no request answered for this long, the engine's processes alive: it hangs
+PROGRESS_EVERY = 10  # conversations between progress lines of the turn planning
 GRAPH_MAX_BS = "cuda_graph_max_bs_decode"  # a ServerArgs field in 0.5.17 and 0.5.23
 EngineFactory = Callable[..., Any]  # sglang.Engine(**kwargs), or a test's fake
 
@@ -69,28 +73,48 @@ def request_record(out: dict[str, Any], seconds: float) -> dict[str, Any]:
     }
 
 
-def serve(engine: Any, prompts: Sequence[Sequence[int]], sampling: dict[str, Any],
-          concurrency: int) -> tuple[list[dict[str, Any]], float]:
-    """Answer ``prompts`` with at most ``concurrency`` requests in flight, on the engine's own loop.
-    Returns the records in prompt order and the wall seconds of the whole batch."""
+class Served:
+    """One bench engine: its loop run by a thread of its own (``EngineLoop``) while this thread watches
+    its processes; requests answered are counted, so that an engine that stops answering ends the
+    mode with an error after ``STALL_S`` and a long batch prints its progress."""
 
-    async def one(ids: Sequence[int], gate: asyncio.Semaphore) -> dict[str, Any]:
-        async with gate:
+    def __init__(self, loop: Any, label: str):
+        self.loop, self.label = loop, label
+        self.answered = 0
+        self.tokens = 0
+
+    def serve(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], concurrency: int,
+              phase: str = "") -> tuple[list[dict[str, Any]], float]:
+        """Answer ``prompts`` with at most ``concurrency`` requests in flight. Returns the records in
+        prompt order and the wall seconds of the whole batch."""
+        engine = self.loop.engine
+
+        async def one(ids: Sequence[int], gate: asyncio.Semaphore) -> dict[str, Any]:
+            async with gate:
+                start = time.perf_counter()
+                out = await engine.async_generate(input_ids=list(ids), sampling_params=dict(sampling))
+                record = request_record(out, time.perf_counter() - start)
+                self.answered += 1
+                self.tokens += record["completion_tokens"]
+                return record
+
+        async def batch() -> tuple[list[dict[str, Any]], float]:
+            gate = asyncio.Semaphore(concurrency)
             start = time.perf_counter()
-            out = await engine.async_generate(input_ids=list(ids), sampling_params=dict(sampling))
-            return request_record(out, time.perf_counter() - start)
+            records = await asyncio.gather(*(one(ids, gate) for ids in prompts))
+            return list(records), time.perf_counter() - start
 
-    async def batch() -> tuple[list[dict[str, Any]], float]:
-        gate = asyncio.Semaphore(concurrency)
-        start = time.perf_counter()
-        records = await asyncio.gather(*(one(ids, gate) for ids in prompts))
-        return list(records), time.perf_counter() - start
+        first, tokens, began = self.answered, self.tokens, time.perf_counter()
 
-    return engine.loop.run_until_complete(batch())
+        def report() -> None:
+            say(f"[bench] SGLang {self.label} {phase}: {self.answered - first}/{len(prompts)} requests, "
+                f"{self.tokens - tokens:,} tokens in {time.perf_counter() - began:.0f} s")
+
+        return self.loop.call(batch(), progress=lambda: self.answered, stall_s=STALL_S, report=report)
 
 
 def plan_turns(
-    engine: Any,
+    served: Served,
     sampling: dict[str, Any],
     conversations: dict[str, list[tuple[str, list[str]]]],
     render: Callable[[list[dict[str, str]]], list[int]],
@@ -100,16 +124,23 @@ def plan_turns(
     history. Returns every turn's prompt and its record (the plain concurrency-1 measurement)."""
     turns: list[TurnPrompt] = []
     records: list[dict[str, Any]] = []
+    total = sum(len(convs) for convs in conversations.values())
+    began = time.perf_counter()
     for category, convs in conversations.items():
         for prompt_id, texts in convs:
             messages: list[dict[str, str]] = []
             for turn, text in enumerate(texts):
                 messages.append({"role": "user", "content": text})
                 ids = render(messages)
-                (record,), _ = serve(engine, [ids], sampling, 1)
+                (record,), _ = served.serve([ids], sampling, 1, "c1")
                 turns.append(TurnPrompt(category, prompt_id, turn, ids))
                 records.append(record)
                 messages.append({"role": "assistant", "content": decode(record["output_ids"])})
+            done = len({(t.category, t.prompt_id) for t in turns})
+            if done % PROGRESS_EVERY == 0 or done == total:
+                tokens = sum(r["completion_tokens"] for r in records)
+                say(f"[bench] SGLang {served.label} c1: {done}/{total} conversations, {len(records)} turns, "
+                    f"{tokens:,} tokens in {time.perf_counter() - began:.0f} s")
     return turns, records
 
 
@@ -208,28 +239,34 @@ def run_mode(
     sampling = generate_sampling(b.max_new_tokens, b.temperature, 1.0, cfg.generate.seed)
     tok = load_tokenizer(cfg.target)
     render = lambda messages: render_generation_prompt(tok, messages)  # noqa: E731
+    what = f"the SGLang {mode} engine of the bench"
     started = time.perf_counter()
-    engine = start_engine(factory, kwargs, f"the SGLang {mode} engine of the bench")
+    engine, procs = launch_sglang(kwargs, factory, what=what)
     start_seconds = time.perf_counter() - started
+    say(f"[bench] SGLang {mode}: engine up in {start_seconds:.0f} s")
+    served = Served(EngineLoop(engine, procs, what), mode)
     try:
         first = turns[0].ids if turns else render([{"role": "user", "content": _first_text(conversations)}])
         warm = dict(sampling, max_new_tokens=min(WARMUP_TOKENS, b.max_new_tokens))
-        serve(engine, [first] * min(8, max(b.concurrency)), warm, max(b.concurrency))  # not timed
+        served.serve([first], warm, 1, "warm-up")  # not timed: first-call costs
+        served.serve([first] * min(8, max(b.concurrency)), warm, max(b.concurrency), "warm-up")
         by_c: dict[str, dict[str, Any]] = {}
         c1_records = None
         if mode == "plain":
-            turns, c1_records = plan_turns(engine, sampling, conversations or {}, render,
+            turns, c1_records = plan_turns(served, sampling, conversations or {}, render,
                                            lambda ids: tok.decode(ids, skip_special_tokens=True))
         assert turns is not None, "chain and tree answer the turns plain decoding planned"
         for c in b.concurrency:
             if c == 1 and c1_records is not None:
                 records, wall = c1_records, None
             else:
-                records, wall = serve(engine, [t.ids for t in turns], sampling, c)
+                records, wall = served.serve([t.ids for t in turns], sampling, c, f"c{c}")
                 wall = None if c == 1 else wall
                 if c == 1:
                     c1_records = records
-            by_c[str(c)] = summarize(records, wall)
+            by_c[str(c)] = row = summarize(records, wall)
+            say(f"[bench] SGLang {mode} c{c}: {row['tokens_per_s']:.1f} tokens/s"
+                + (f", tau {row['tau']:.2f}" if row.get("tau") else ""))
         return {
             "mode": mode,
             "start_seconds": start_seconds,
@@ -239,17 +276,7 @@ def run_mode(
             "turns": [asdict(t) for t in turns] if mode == "plain" else None,
         }
     finally:
-        engine.shutdown()
-
-
-def start_engine(factory: EngineFactory, kwargs: dict[str, Any], what: str) -> Any:
-    """Build the engine. A failure to start raises EngineStartError naming the cause in one line (the
-    failed SGLang process's own exception where it can be read back), without SGLang taking this
-    process down with it: a retry would fail the same way (``engines.sglang.launch_sglang``)."""
-    from eagle3_ray.engines.sglang import launch_sglang
-
-    engine, _ = launch_sglang(kwargs, factory, what=what)
-    return engine
+        served.loop.close()
 
 
 def _first_text(conversations: dict[str, list[tuple[str, list[str]]]] | None) -> str:

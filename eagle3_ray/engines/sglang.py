@@ -18,9 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
-import stat
 import struct
 import tempfile
 import threading
@@ -36,10 +34,19 @@ import torch
 from eagle3_ray.config import BenchConfig, TargetConfig
 from eagle3_ray.engines.aux_layers import translate_aux_ids
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args
+from eagle3_ray.engines import sglang_process as sp
+from eagle3_ray.engines.sglang_process import (
+    EngineDied,
+    cancel_tasks,
+    kill_pids,
+    launch_sglang,
+    live_children,
+    run_loop,
+)
 from eagle3_ray.engines.sglang_hooks import CAPTURE_SUFFIX, FACTORY_PATH, LAYER_FACTORY_PATH, capture_path
 from eagle3_ray.engines.sglang_modules import sglang_module_paths
 from eagle3_ray.engines.sglang_tp import layer_hook_tp_kwargs
-from eagle3_ray.errors import ConfigError, EngineError, EngineStartError, exception_line
+from eagle3_ray.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -370,170 +377,8 @@ def check_hard_links(directory: Path) -> None:
 # The hook's writer thread lands a request's file shortly after SGLang answers it; this long
 # without the file (and with the engine alive) means the hook did not run.
 CAPTURE_WAIT_S = 120.0
-# How often a call waiting on SGLang checks that the engine's processes are alive.
-LIVENESS_POLL_S = 1.0
 MAX_RESTARTS = 3
 START_ATTEMPTS, START_RETRY_S = 3, 5.0  # building the engine again after a death
-
-
-class EngineDied(Exception):
-    """An SGLang process of this engine exited (killed, crashed) while a call was in flight."""
-
-
-def live_children() -> set[int]:
-    """Pids of this process's live child processes (zombies count as dead)."""
-    import psutil
-
-    alive = set()
-    for child in psutil.Process().children(recursive=False):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                alive.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-# Failing to start, SGLang's processes take this process with them unless told otherwise. A scheduler
-# (or detokenizer) that raises logs "<Scheduler> hit an exception: <traceback>" to its stderr, which it
-# shares with this process, and SIGQUITs its parent; the handler sglang.Engine installs for its launch
-# then kills the whole process tree, this process included. Under Ray that is a worker crash, which Ray
-# retries, failing the same way each time, with no error for the caller (a deep_gemm import failing in
-# CUDA-graph capture did that to the benchmark on an H200). Given ServerArgs.custom_sigquit_handler,
-# SGLang registers that instead (0.5.17 and 0.5.23, from the main thread): ours only notes the signal,
-# SGLang's own start-up wait notices the dead scheduler and raises, and launch_sglang reads the failed
-# process's exception back from the shared stderr (a Ray worker's log file). It stays installed after
-# the start, so a scheduler failing later is a dead process that SGLangEngine restarts, not a kill.
-SIGQUIT_KWARG = "custom_sigquit_handler"
-_sigquits: list[float] = []  # when a child's SIGQUIT came (keep_running_on_sigquit)
-# What SGLang's processes log when they fail (scheduler.py, detokenizer_manager.py, ...).
-_HIT = re.compile(r"(\w+) hit an exception: ")
-_STDERR_TAIL_BYTES = 4 << 20  # the end of stderr read back for that line after a failed start
-
-
-def keep_running_on_sigquit(signum: int, frame: Any) -> None:
-    """SIGQUIT handler given to SGLang (``custom_sigquit_handler``): a process of the engine failed.
-    Noted only; the process keeps running (see launch_sglang). Pickled by reference into SGLang's
-    processes (a module-level function)."""
-    _sigquits.append(time.monotonic())
-
-
-class _StderrTail:
-    """What this process's stderr (fd 2, shared with the processes SGLang starts) receives from now
-    on, where it is a regular file (a Ray worker's log file, pytest's capture); nothing elsewhere."""
-
-    def __init__(self) -> None:
-        self.fd: int | None = None
-        self.start, self.path = 0, ""
-        try:
-            st = os.fstat(2)
-            if stat.S_ISREG(st.st_mode):
-                self.path = os.readlink("/proc/self/fd/2").removesuffix(" (deleted)")
-                self.fd = os.open("/proc/self/fd/2", os.O_RDONLY)  # its own offset, the same file
-                self.start = st.st_size
-        except OSError:  # no /proc (not Linux), or stderr closed
-            self.close()
-
-    def read(self) -> str:
-        if self.fd is None:
-            return ""
-        try:
-            end = os.fstat(self.fd).st_size
-            start = max(self.start, end - _STDERR_TAIL_BYTES)
-            return os.pread(self.fd, max(0, end - start), start).decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def logged_failure(text: str) -> str | None:
-    """``"<Process> failed with <Type>: <message>"`` from the first "<Process> hit an exception:
-    <traceback>" that SGLang logged in ``text``, the traceback's final exception; None without one."""
-    hit = _HIT.search(text)
-    if hit is None:
-        return None
-    cause, in_frames = None, False
-    for line in text[hit.end():].splitlines()[:5000]:
-        if line.startswith("Traceback (most recent call last)"):
-            in_frames = True
-        elif not line.strip() or line.startswith((" ", "\t", "During handling of the above exception",
-                                                  "The above exception was the direct cause")):
-            continue  # a frame, a blank line, or the link to a chained exception's traceback
-        elif in_frames:  # the first line after the frames: the exception
-            cause, in_frames = line.strip(), False
-        else:
-            break  # past the traceback (the next log line, or a message's continuation)
-    return f"{hit.group(1)} failed with {cause}" if cause else None
-
-
-def _kill_tree(pids: set[int]) -> None:
-    import psutil
-
-    every = set(pids)
-    for pid in pids:
-        try:
-            every.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    _kill(every)
-
-
-def launch_sglang(kwargs: dict[str, Any], factory: Callable[..., Any] | None = None,
-                  what: str = "the SGLang engine") -> tuple[Any, set[int]]:
-    """``factory(**kwargs)`` (default ``sglang.Engine``) and the pids of the processes it started.
-
-    A failure to start is an ``EngineStartError`` raised here, its one-line message naming ``what`` and
-    the cause: the exception the failed SGLang process logged where this process's stderr is a file
-    (a Ray worker's log), else SGLang's own error and where the traceback went. SGLang is given
-    ``custom_sigquit_handler`` (unless ``kwargs`` sets one) so that the failure does not kill this
-    process (see keep_running_on_sigquit); the processes the failed start left are killed.
-    """
-    import signal
-
-    if factory is None:
-        factory = import_sglang().Engine
-    kwargs = {SIGQUIT_KWARG: keep_running_on_sigquit, **kwargs}
-    if threading.current_thread() is not threading.main_thread() and \
-            signal.getsignal(signal.SIGQUIT) in (signal.SIG_DFL, None):
-        logger.warning("%s is started outside the main thread, where SGLang cannot register its SIGQUIT "
-                       "handler: an SGLang process that fails will end this process", what)
-    before, quits, tail = live_children(), len(_sigquits), _StderrTail()
-    try:
-        try:
-            engine = factory(**kwargs)
-        except Exception as e:
-            _kill_tree(live_children() - before)
-            raise EngineStartError(_start_failure(what, e, tail, len(_sigquits) > quits)) from e
-        procs = live_children() - before
-        if len(_sigquits) > quits:  # a process failed while starting, yet the engine returned
-            try:
-                engine.shutdown()
-            except Exception:
-                logger.exception("shutting down the half-started SGLang engine failed; killing its processes")
-            _kill_tree(procs | (live_children() - before))
-            raise EngineStartError(_start_failure(what, None, tail, True))
-        return engine, procs
-    finally:
-        tail.close()
-
-
-def _start_failure(what: str, e: BaseException | None, tail: _StderrTail, child_failed: bool) -> str:
-    """The one-line message of a failed start (launch_sglang)."""
-    cause = logged_failure(tail.read())
-    sglang = "" if e is None else exception_line(e, 300)
-    if cause is not None:
-        said = f" (SGLang: {sglang.split('. ')[0]})" if sglang else ""
-        where = f"; its traceback is in {tail.path}" if tail.path else ""
-        return f"{what} could not start: {cause}{said}{where}"
-    if not child_failed and "died during initialization" not in sglang and "Initialization failed" not in sglang:
-        return f"{what} could not start: {sglang}"  # raised by this process, not by one SGLang started
-    where = (f"read the failed process's traceback ('hit an exception') in {tail.path}" if tail.path else
-             "the failed process logged its traceback ('hit an exception') to this process's stderr")
-    return f"{what} could not start: {sglang or 'an SGLang process failed while starting'}; {where}"
 
 
 class SGLangEngine:
@@ -624,7 +469,7 @@ class SGLangEngine:
             self._stop_engine()
             raise EngineError(f"this sglang.Engine has no asyncio loop (engine.loop) or no async_generate: {INSTALL_HINT}")
         self._loop = loop
-        self._loop_thread = threading.Thread(target=_run_loop, args=(loop,), name="eagle3-ray-sglang-loop", daemon=True)
+        self._loop_thread = threading.Thread(target=run_loop, args=(loop,), name="eagle3-ray-sglang-loop", daemon=True)
         self._loop_thread.start()
         logger.info("SGLang engine up (mode %s, processes %s)", self.mode, sorted(self._procs))
 
@@ -644,7 +489,7 @@ class SGLangEngine:
         future = asyncio.run_coroutine_threadsafe(fn(engine), loop)
         while True:
             try:
-                return future.result(timeout=LIVENESS_POLL_S)
+                return future.result(timeout=sp.LIVENESS_POLL_S)
             except FutureTimeout:
                 dead = self._dead() if generation == self._generation else [-1]
                 if not dead:
@@ -757,10 +602,10 @@ class SGLangEngine:
     def _collect(self, directory: Path | None, rid: str, num_tokens: int, generation: int = 0) -> Capture:
         assert directory is not None
         path = capture_path(directory, rid)
-        waited, step, next_check = 0.0, 0.0005, LIVENESS_POLL_S
+        waited, step, next_check = 0.0, 0.0005, sp.LIVENESS_POLL_S
         while not path.is_file():  # the hook's writer thread lands it shortly after SGLang answers
             if waited >= next_check:
-                next_check += LIVENESS_POLL_S
+                next_check += sp.LIVENESS_POLL_S
                 if generation != self._generation:
                     raise EngineDied("the engine was restarted")
                 dead = self._dead()
@@ -807,14 +652,14 @@ class SGLangEngine:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=30)
             if not thread.is_alive():
-                _cancel_tasks(loop)
+                cancel_tasks(loop)
         engine, self._engine = self._engine, None
         if engine is not None:
             try:
                 engine.shutdown()  # kills this process's child tree (SGLang's own shutdown)
             except Exception:
                 logger.exception("shutting down the SGLang engine failed; killing its processes")
-        _kill(self._procs)
+        kill_pids(self._procs)
         self._procs = set()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -824,41 +669,6 @@ class SGLangEngine:
             self._stop_engine()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """The engine's loop thread: SGLang's tokenizer manager and every call's coroutine run here."""
-    asyncio.set_event_loop(loop)
-    loop.run_forever()
-
-
-def _cancel_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 10.0) -> None:
-    """Cancel what is left on a stopped engine loop (calls a dead scheduler never answered, the
-    tokenizer manager's own loops): SGLang 0.5.23 hands the same loop to the next engine built in
-    this thread. The loop stays open for that reason."""
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        try:
-            loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
-        except Exception:
-            logger.exception("cancelling the stopped SGLang engine's tasks failed")
-
-
-def _kill(pids: set[int], timeout: float = 60.0) -> None:
-    """SIGKILL what is left of ``pids`` and wait for them, so their GPU memory is free again."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            p.kill()
-            procs.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=timeout)
 
 
 def generate_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict[str, Any]:

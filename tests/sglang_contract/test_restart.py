@@ -28,6 +28,7 @@ import torch
 
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines import sglang_process as sp  # noqa: E402
 from eagle3_ray.errors import EngineError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +131,7 @@ class FakeSGLangEngine:
 
         # As sglang.Engine's launch: the engine's SIGQUIT handler, registered from the main thread
         # (its start-up failures: test_start_failure.py). Not a kwarg the scheduler needs.
-        handler = kwargs.pop(sg.SIGQUIT_KWARG, None)
+        handler = kwargs.pop(sp.SIGQUIT_KWARG, None)
         if handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGQUIT, handler)
 
@@ -212,7 +213,7 @@ def target(tmp_path, tiny_llama_config):
 
 
 def test_scheduler_sigkill_mid_capture_restarts_and_loses_nothing(target, monkeypatch):
-    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    monkeypatch.setattr(sp, "LIVENESS_POLL_S", 0.1)
     FakeSGLangEngine.started.clear()
     engine = sg.SGLangEngine(target, mode="capture", engine_factory=FakeSGLangEngine)
     first = FakeSGLangEngine.started[0]
@@ -293,7 +294,7 @@ def test_capture_calls_from_threads_overlap_inside_sglang(target, limit):
 
 
 def test_engine_gives_up_after_max_restarts(target, monkeypatch):
-    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    monkeypatch.setattr(sp, "LIVENESS_POLL_S", 0.1)
     FakeSGLangEngine.started.clear()
 
     def dying(**kw):  # every scheduler dies before answering
@@ -309,7 +310,7 @@ def test_engine_gives_up_after_max_restarts(target, monkeypatch):
 
 
 def test_an_error_from_a_live_engine_is_not_retried(target, monkeypatch):
-    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    monkeypatch.setattr(sp, "LIVENESS_POLL_S", 0.1)
 
     class Refusing(FakeSGLangEngine):
         async def async_generate(self, input_ids, sampling_params, rid):
@@ -324,7 +325,7 @@ def test_an_error_from_a_live_engine_is_not_retried(target, monkeypatch):
 
 def test_a_failed_start_after_a_death_is_tried_again(target, monkeypatch):
     """The dead engine's GPU memory can take a moment to come back: a failed rebuild is retried."""
-    monkeypatch.setattr(sg, "LIVENESS_POLL_S", 0.1)
+    monkeypatch.setattr(sp, "LIVENESS_POLL_S", 0.1)
     monkeypatch.setattr(sg, "START_RETRY_S", 0.0)
     FakeSGLangEngine.started.clear()
     calls = []

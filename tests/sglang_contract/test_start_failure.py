@@ -34,6 +34,7 @@ import torch
 
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines import sglang_process as sp  # noqa: E402
 from eagle3_ray.errors import EngineStartError
 
 from conftest import source_root  # noqa: E402
@@ -126,7 +127,7 @@ class FailingSGLangEngine:
         # As _set_envs_and_config: from the main thread, the given handler, else SGLang's own, which
         # kills the process tree (test_sglang_registers_a_given_sigquit_handler_instead_of_its_own).
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGQUIT, kwargs.get(sg.SIGQUIT_KWARG) or _sglang_launch_handler)
+            signal.signal(signal.SIGQUIT, kwargs.get(sp.SIGQUIT_KWARG) or _sglang_launch_handler)
         self.detokenizer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         read, write = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, str(REPO)])}
@@ -171,7 +172,7 @@ def target(tmp_path, tiny_llama_config):
 
 def test_a_scheduler_failing_at_start_is_an_engine_start_error_naming_its_exception(target, tmp_path):
     log = tmp_path / "worker.err"
-    quits = len(sg._sigquits)
+    quits = len(sp._sigquits)
     t = time.monotonic()
     with stderr_to(log), pytest.raises(EngineStartError) as err:
         sg.SGLangEngine(target, mode="capture", engine_factory=FailingSGLangEngine)
@@ -179,7 +180,7 @@ def test_a_scheduler_failing_at_start_is_an_engine_start_error_naming_its_except
     msg = str(err.value)
     fake = FailingSGLangEngine.last
     assert "Scheduler hit an exception: Traceback" in log.read_text()  # where SGLang's scheduler logged it
-    assert fake.kwargs[sg.SIGQUIT_KWARG] is sg.keep_running_on_sigquit and len(sg._sigquits) > quits
+    assert fake.kwargs[sp.SIGQUIT_KWARG] is sp.keep_running_on_sigquit and len(sp._sigquits) > quits
     assert "\n" not in msg and msg.startswith(f"the SGLang engine (mode capture) of target.model={target.model!r} "
                                               "could not start: Scheduler failed with ModuleNotFoundError: No "
                                               "module named 'deep_gemm'"), msg
@@ -187,7 +188,7 @@ def test_a_scheduler_failing_at_start_is_an_engine_start_error_naming_its_except
     assert seconds < 30, seconds
     # What the failed start left running is gone, and so is the engine's capture directory.
     assert fake.scheduler.poll() is not None and fake.detokenizer.wait(timeout=10) is not None
-    assert fake.detokenizer.pid not in sg.live_children()
+    assert fake.detokenizer.pid not in sp.live_children()
     assert list(Path(target.sglang.capture_dir).iterdir()) == []
 
 
@@ -230,7 +231,7 @@ def test_sglang_registers_a_given_sigquit_handler_instead_of_its_own():
     """What launch_sglang relies on: ServerArgs takes custom_sigquit_handler, and the launch registers it
     in place of the handler that kills the process tree; a failing scheduler logs its traceback as
     "Scheduler hit an exception" and SIGQUITs its parent (the block the fake's scheduler runs)."""
-    assert sg.SIGQUIT_KWARG in sg.server_args_fields()
+    assert sp.SIGQUIT_KWARG in sg.server_args_fields()
     src = ast.unparse(_function(SRT / "entrypoints" / "engine.py", "_set_envs_and_config"))
     assert re.search(r"if (\w+)\.custom_sigquit_handler is None:.*kill_process_tree\(os\.getpid\(\)\).*"
                      r"else:.*signal\.signal\(signal\.SIGQUIT, \1\.custom_sigquit_handler\)", src, re.S), src
