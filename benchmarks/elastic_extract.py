@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from eagle3_ray.config import load_config
-    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.extract.prepare_stage import run_prepare
     from eagle3_ray.ray_session import init_ray
 
     # One logical CPU beyond the pool for the read/repartition tasks: with every CPU held by engine

@@ -25,7 +25,7 @@ def _prepared(cfg, tmp: Path, samples: int, answer_words: int) -> Path:
     """Conversations from the shipped demo prompts with a synthetic answer: throughput depends on
     the token count, not on what the answer says."""
     from eagle3_ray.data.sources import Sample, read_samples, resolve_data_path
-    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.extract.prepare_stage import run_prepare
 
     words = ("the drafter reads three target layers and predicts the next tokens " * answer_words).split()
     src = tmp / "conversations.jsonl"

@@ -9,7 +9,7 @@ dequantization from the loader's CPU to the training device. CPU only, one proce
    (`train/data.py` LoadPackUDF, one call per pack, as its Ray Data actor runs it) at `--threads`
    torch threads (a loader actor reserves 1 CPU) over three arms:
    - bf16: the bf16 store;
-   - fp8_host: the fp8 store dequantized on the loader's CPU (`dequantize_on_host=True`: the path
+   - fp8_host: the fp8 store dequantized on the loader's CPU (`HostDequantLoader` below: the path
      before this change, per record in features/shards.read_sample);
    - fp8: the fp8 store as stored (fp8 bits + scales: the path now).
 3. Times `row_to_batch` on each arm's rows, made read-only as Ray Data hands them over, to the CPU
@@ -72,9 +72,16 @@ def write_stores(work: Path, lengths: list[int], hidden: int, vocab: int) -> dic
 def loader_arm(roots: dict[str, Path], arm: str):
     from eagle3_ray.train.data import LoadPackUDF
 
+    class HostDequantLoader(LoadPackUDF):
+        """The loader before this change: an fp8 store's samples read dequantized (bf16) on its CPU."""
+
+        def __init__(self, store_root: str):
+            super().__init__(store_root)
+            self.as_stored = False
+
     if arm == "bf16":
         return LoadPackUDF(str(roots["none"]))
-    return LoadPackUDF(str(roots["fp8"]), dequantize_on_host=arm == "fp8_host")
+    return (HostDequantLoader if arm == "fp8_host" else LoadPackUDF)(str(roots["fp8"]))
 
 
 def _one(samples) -> dict:

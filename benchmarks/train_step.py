@@ -167,6 +167,7 @@ def make_engine(a, drafter: torch.nn.Module, dev: torch.device):
                            grad_clip=t["grad_clip"])
     import deepspeed
 
+    from eagle3_ray.config import TrainConfig
     from eagle3_ray.train.loop import _ds_config, _without_shm_comm_op
 
     cuda = dev.type == "cuda"
@@ -176,7 +177,7 @@ def make_engine(a, drafter: torch.nn.Module, dev: torch.device):
     if not cuda:
         _without_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, config=_ds_config(t, cuda))
+    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, config=_ds_config(TrainConfig.model_validate(t), cuda))
     return engine
 
 
@@ -250,7 +251,8 @@ def top_kernels(fn, n: int, sync) -> list[dict] | None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention, resolve_loss_kernel
+    from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
+    from eagle3_ray.train.step import StepConfig, TrainStep, resolve_attention
 
     dev = torch.device(a.device)
     # DeepSpeed keeps fp32 master weights and casts the module to bf16 itself (train/loop.py builds

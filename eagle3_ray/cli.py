@@ -26,8 +26,6 @@ from eagle3_ray.progress import configure_logging
 # The stage modules (Ray, torch, transformers) are imported by the command that runs them, so that
 # `--help`, a bad argument or a refused path answers without loading them.
 
-DEFAULT_CONFIG = "configs/demo-smollm2.yaml"
-
 
 def _common(p: argparse.ArgumentParser, data: bool = True, out_required: bool = True) -> None:
     p.add_argument("-c", "--config", help="pipeline YAML (see configs/); default: all schema defaults")
@@ -212,7 +210,7 @@ def _stage_command(cmd: str, cfg, args) -> int:
         target_info = describe_in_background(cfg.target)
     _ray(cfg)
     if cmd == "prepare":
-        from eagle3_ray.extract.pipeline import run_prepare
+        from eagle3_ray.extract.prepare_stage import run_prepare
 
         run_prepare(cfg, args.data, args.out)
     elif cmd == "generate":
@@ -220,7 +218,9 @@ def _stage_command(cmd: str, cfg, args) -> int:
 
         run_generate(cfg, args.data, args.out)
     elif cmd == "extract":
-        from eagle3_ray.extract.pipeline import prepared_path, run_extract, run_prepare
+        from eagle3_ray.extract.pipeline import run_extract
+        from eagle3_ray.extract.prepare_stage import run_prepare
+        from eagle3_ray.extract.prepared import prepared_path
 
         data = args.data or cfg.data.path
         if data is None or prepared_path(data) is None:

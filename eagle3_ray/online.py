@@ -30,25 +30,26 @@ from ray.data import ExecutionOptions, ExecutionResources
 
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.vocab import build_vocab_map, count_tokens, data_fingerprint, save_vocab_map, vocab_fingerprint
+from eagle3_ray.data.vocab import (
+    VOCAB_FILE, build_vocab_map, count_tokens, data_fingerprint, save_vocab_map, vocab_fingerprint,
+)
 from eagle3_ray.engines.describe import describe_target
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.extract.pipeline import ENGINE_ACTOR_RESTARTS, read_prepared
+from eagle3_ray.extract.prepared import read_prepared
+from eagle3_ray.extract.stage import SUMMARY_FILE, engine_pool
 from eagle3_ray.extract.udfs import PackCaptureUDF
-from eagle3_ray.extract.vocab_stage import VOCAB_FILE
 from eagle3_ray.features import open_store
 from eagle3_ray.features.store import StoreMeta, create_store
 from eagle3_ray.progress import say
 from eagle3_ray.train.data import build_train_dataset, pack_rows
 from eagle3_ray.train.packing import Pack
-from eagle3_ray.train.trainer import _use_gpu, build_job, fit
+from eagle3_ray.train.trainer import fit, plan_run, trains_on_gpu
 
 
 def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path) -> Path:
     """The vocab map from the prepared data's loss-masked tokens: no hidden states needed, so it is
     ready before the first capture. Same counts, same map as `run_vocab` over a complete store."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
     sample_ids, lengths, ids, masks = read_prepared(prepared)
     info = describe_target(cfg.target)
@@ -65,7 +66,7 @@ def run_online_vocab(cfg: PipelineConfig, prepared: str | Path, out: str | Path)
         "coverage": int(counts[t2d.astype(bool)].sum()) / max(total, 1),
     }
     path = save_vocab_map(out / VOCAB_FILE, d2t, t2d, meta)
-    write_json(out / "summary.json", meta, newline=False)
+    write_json(out / SUMMARY_FILE, meta, newline=False)
     say(f"[vocab] from prepared data: {meta['distinct_tokens']} distinct loss tokens, coverage "
         f"{meta['coverage']:.2%} -> {path}")
     return path
@@ -94,7 +95,8 @@ def streaming_data_config(cfg: PipelineConfig):
 
 
 def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMeta, store_root: str | None):
-    """Ray Data pipeline: pack rows -> engine actor pool -> packed micro-batch rows."""
+    """Ray Data pipeline: pack rows -> engine actor pool -> packed micro-batch rows (hybrid: also
+    committed to the store at ``store_root``, in shards of ``extract.shard_max_bytes``)."""
     rows = pack_rows(packs)
     packs_per_call = max(1, cfg.extract.batch_tokens // cfg.train.batch_tokens)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // packs_per_call, 1000)))
@@ -102,14 +104,8 @@ def streaming_dataset(cfg: PipelineConfig, prepared: Path, packs, meta: StoreMet
         PackCaptureUDF,
         fn_constructor_kwargs=dict(prepared=str(prepared), target=cfg.target,
                                    batch_tokens=cfg.extract.batch_tokens, meta=meta, run=cfg.name,
-                                   store_root=store_root),
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.extract.num_actors,
-                                           max_size=cfg.extract.max_actors or cfg.extract.num_actors),
-        num_gpus=cfg.extract.num_gpus_per_actor or None,
-        num_cpus=cfg.extract.num_cpus_per_actor,
-        # Bounded, as extract's: Ray Data's default restarts a dead engine actor without limit.
-        max_restarts=ENGINE_ACTOR_RESTARTS,
-        max_task_retries=ENGINE_ACTOR_RESTARTS,
+                                   store_root=store_root, shard_max_bytes=cfg.extract.shard_max_bytes),
+        **engine_pool(cfg.extract),
         batch_size=packs_per_call,
         batch_format="numpy",
     )
@@ -142,26 +138,29 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
         raise ConfigError("train.mode=hybrid writes the feature store during epoch 0: pass its directory")
     t0 = time.monotonic()
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
-    check_resource_split(cfg, ray.cluster_resources(), _use_gpu(cfg))
+    use_gpu = trains_on_gpu(cfg)
+    check_resource_split(cfg, ray.cluster_resources(), use_gpu)
     prepared = Path(prepared).resolve()
     sample_ids, lengths, _, _ = read_prepared(prepared)
     info = describe_target(cfg.target)
-    job, packs = build_job(cfg, lengths, data_fingerprint(sample_ids, lengths), vocab, out, info)
+    train_plan = plan_run(cfg, lengths, data_fingerprint(sample_ids, lengths), vocab, out, info)
+    packs = train_plan.packs
     meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
     data_config = streaming_data_config(cfg)
     if not hybrid:
-        return fit(cfg, job, streaming_dataset(cfg, prepared, packs, meta, None), out, t0, data_config)
+        return fit(cfg, train_plan, streaming_dataset(cfg, prepared, packs, meta, None), out, t0, use_gpu,
+                   data_config)
     store_root = str(Path(features).resolve())
     create_store(store_root, meta)
     first = [p for p in packs if p.epoch == 0]
     say(f"[train] hybrid: epoch 0 streams {len(first)} packs and writes {store_root}")
-    ckpt = fit(cfg, job, streaming_dataset(cfg, prepared, first, meta, store_root), out, t0, data_config)
+    ckpt = fit(cfg, train_plan, streaming_dataset(cfg, prepared, first, meta, store_root), out, t0, use_gpu,
+               data_config)
     later = _store_packs([p for p in packs if p.epoch > 0], sample_ids, open_store(store_root))
     if not later:
         return ckpt
     say(f"[train] hybrid: epochs 1..{cfg.train.epochs - 1} read {len(later)} packs from {store_root}")
     dataset = build_train_dataset(later, store_root, cfg.extract.on_corrupt_shard)
-    return fit(cfg, job, dataset, out, t0)
+    return fit(cfg, train_plan, dataset, out, t0, use_gpu)
 

@@ -24,10 +24,11 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.report import REPORT_NAME
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
-from eagle3_ray.data.sources import Sample, file_fingerprint, read_samples, resolve_data_path
+from eagle3_ray.data.sources import Sample, file_fingerprint, input_path, read_samples
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.generate_stage import run_generate
-from eagle3_ray.extract.pipeline import run_extract, run_prepare
+from eagle3_ray.extract.pipeline import run_extract
+from eagle3_ray.extract.prepare_stage import run_prepare
 from eagle3_ray.extract.vocab_stage import run_vocab
 from eagle3_ray.online import run_online_training, run_online_vocab
 from eagle3_ray.out_lock import out_lock
@@ -150,7 +151,7 @@ class StageRunner:
 
 
 def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
-    path = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
+    path = input_path(data, cfg.data)
     for item in read_samples(path, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
         if isinstance(item, Sample) and item.needs_generation:
             return True
@@ -172,7 +173,7 @@ def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
     whose records share ids, such as its line numbers) would keep the old answers and features.
     The same content at another path passes. An out dir without the record (written before it
     existed) is taken as written from this data."""
-    now = file_fingerprint(resolve_data_path(data or cfg.data.path or "builtin:demo_prompts"))
+    now = file_fingerprint(input_path(data, cfg.data))
     record = out / INPUTS
     if record.is_file():
         before = json.loads(record.read_text(encoding="utf-8"))

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray.config import PipelineConfig
+from eagle3_ray.data.sources import DEFAULT_DATA
 from eagle3_ray.errors import ConfigError, DataError, StoreError, require_dir
 
 
@@ -129,7 +130,7 @@ def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str, str]:
         return data, f"--data {data}"
     if cfg.data.path:
         return cfg.data.path, f"data.path={cfg.data.path}"
-    return "builtin:demo_prompts", "the default data builtin:demo_prompts"
+    return DEFAULT_DATA, f"the default data {DEFAULT_DATA}"
 
 
 def _existing_file(path: str, what: str, kind: str, alternative: str = "") -> Path:
@@ -179,7 +180,7 @@ def check_conversations(cfg: PipelineConfig, data: str | None, need_answers: boo
 
 def check_extract_input(cfg: PipelineConfig, data: str | None) -> None:
     """extract takes a prepared dataset, or raw conversations it prepares first."""
-    from eagle3_ray.extract.pipeline import PREPARED_FILE, prepared_path
+    from eagle3_ray.extract.prepared import PREPARED_FILE, prepared_path
 
     path, what = _data_source(cfg, data)
     if prepared_path(path) is not None:
@@ -195,7 +196,8 @@ def check_extract_input(cfg: PipelineConfig, data: str | None) -> None:
 
 def check_store(features: str):
     """A feature store: store_meta.json readable and at least one completed shard. Returns its meta."""
-    from eagle3_ray.features.store import META_FILE, SHARDS_DIR, _marker_files, read_meta
+    from eagle3_ray.features.shards import MARKERS_GLOB, marker_files
+    from eagle3_ray.features.store import META_FILE, read_meta
 
     want = "pass the --out of `eagle3-ray extract`"
     p = require_dir(features, "--features", want, StoreError)
@@ -203,9 +205,9 @@ def check_store(features: str):
         hint = f" (did you mean {p / 'features'}?)" if (p / "features" / META_FILE).is_file() else ""
         raise StoreError(f"--features {p} is not a feature store (no {META_FILE}){hint}; {want}")
     meta = read_meta(p)
-    if not _marker_files(p):
+    if not marker_files(p):
         raise StoreError(
-            f"--features {p} holds no completed shards ({SHARDS_DIR}/*.done.json); run or resume "
+            f"--features {p} holds no completed shards ({MARKERS_GLOB}); run or resume "
             f"`eagle3-ray extract --out {p}`"
         )
     return meta
@@ -236,16 +238,14 @@ def check_existing_store_out(cfg: PipelineConfig, out: str | None) -> None:
         return
     info = describe_target(cfg.target)
     # the meta run_extract writes; the file exists, so ensure_meta only reads and compares
-    ensure_meta(out, StoreMeta(hidden_size=info.hidden_size, aux_layers=list(info.aux_layers),
-                               target_fingerprint=info.fingerprint, model_type=info.model_type,
-                               vocab_size=info.vocab_size, compact=cfg.extract.compact))
+    ensure_meta(out, StoreMeta.from_engine_info(info, compact=cfg.extract.compact))
 
 
 def check_vocab(vocab: str | None, features: str, store_target: str | None) -> None:
     """The vocab map file (``--vocab`` file or dir, default ``<features>/../vocab``), for this store's target."""
     from safetensors import SafetensorError, safe_open
 
-    from eagle3_ray.extract.vocab_stage import VOCAB_FILE
+    from eagle3_ray.data.vocab import VOCAB_FILE
 
     given = vocab is not None
     base = Path(vocab) if given else Path(features).parent / "vocab"

@@ -147,7 +147,7 @@ def ci_tiny_prepared(ray_local, tmp_path_factory):
     """(directory, PrepareSummary) of ci-tiny's builtin data through the real prepare stage, built once
     (read only: a test that changes a stage's output works on a copy)."""
     from eagle3_ray.config import load_config
-    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.extract.prepare_stage import run_prepare
 
     out = tmp_path_factory.mktemp("train_inputs") / "prepare"
     return out, run_prepare(load_config("configs/ci-tiny.yaml"), None, out)

@@ -170,21 +170,21 @@ def test_extract_hitting_a_full_disk_midway_keeps_shards_valid_and_resumes(prepa
     from eagle3_ray.features import open_store
     from eagle3_ray.features import preflight
 
-    overrides = ["extract.shard_max_bytes=65536"]
-    cfg = load_config(CI_CONFIG, overrides)
+    cfg = load_config(CI_CONFIG)
     out = tmpfs / "features"
     ballast = tmpfs / "ballast"
     real_check = preflight.check_disk
 
     def check_then_fill(out_dir, num_tokens, hidden_size, margin=1.1, compact="none"):
         report = real_check(out_dir, num_tokens, hidden_size, margin, compact)
-        # leave room for about two 64 KiB shards (+ markers, meta, rejects)
+        # leave room for about one shard (one a batch: ci-tiny's extract.batch_tokens=256 tokens of
+        # H=64 features, ~130 KB) with its marker, the meta and the rejects
         ballast.write_bytes(b"\0" * (report.free_bytes - 160 * 1024))
         return report
 
     monkeypatch.setattr(preflight, "check_disk", check_then_fill)
     capsys.readouterr()
-    rc = main(["extract", "-c", CI_CONFIG, "--data", str(prepared), "--out", str(out), *overrides])
+    rc = main(["extract", "-c", CI_CONFIG, "--data", str(prepared), "--out", str(out)])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and last.startswith("eagle3-ray extract: error: disk full at "), last
     assert "Traceback" not in last and "rerun: completed shards are kept" in last

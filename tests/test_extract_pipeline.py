@@ -62,7 +62,7 @@ def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
 
 
 def test_prepare_tokenizes_on_half_the_clusters_cpus():
-    from eagle3_ray.extract.pipeline import _tokenizer_actors
+    from eagle3_ray.extract.prepare_stage import _tokenizer_actors
 
     assert _tokenizer_actors({"CPU": 16.0, "GPU": 1.0}) == 8
     assert _tokenizer_actors({"CPU": 2.0}) == 2  # never fewer than the former fixed pool
@@ -80,7 +80,7 @@ def test_extract_runs_three_batches_per_gpu_actor_unless_told(cfg):
 
 
 def test_prepare_quarantines_bad_lines_and_goes_on(ray_local, cfg, tmp_path):
-    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.extract.prepare_stage import run_prepare
 
     src = tmp_path / "mixed.jsonl"
     good = {"id": "a", "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -136,7 +136,7 @@ def test_extract_resumes_after_losing_a_shard(ci_tiny_inputs, prepared, cfg, tmp
 
     out = _copy_of_session_store(ci_tiny_inputs, tmp_path / "features")  # a completed run_extract
     shards = sorted((out / "shards").glob("*.safetensors"))
-    assert len(shards) >= 2, "ci-tiny's shard_max_bytes should split the store"
+    assert len(shards) >= 2, "ci-tiny's extract.batch_tokens should split the store (one shard a batch)"
     victim = shards[0]
     lost = json.loads(victim.with_name(victim.stem + ".done.json").read_text())["sample_ids"]
     victim.with_name(victim.stem + ".done.json").unlink()
@@ -166,7 +166,8 @@ def test_extract_refuses_to_resume_over_samples_prepared_anew_with_other_tokens(
     import pyarrow.parquet as pq
 
     from eagle3_ray.errors import ConfigError
-    from eagle3_ray.extract.pipeline import PREPARED_FILE, run_extract
+    from eagle3_ray.extract.pipeline import run_extract
+    from eagle3_ray.extract.prepared import PREPARED_FILE
 
     out = _copy_of_session_store(ci_tiny_inputs, tmp_path / "features")
     before = sorted(p.name for p in (out / "shards").iterdir())

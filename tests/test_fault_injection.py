@@ -104,7 +104,7 @@ def _kill(procs: list[psutil.Process]) -> list[int]:
 def many_samples(ray_local, tmp_path_factory):
     """ci_tiny's conversations 10x over (unique ids), prepared: enough batches for a mid-run."""
     from eagle3_ray.data.sources import resolve_data_path
-    from eagle3_ray.extract.pipeline import run_prepare
+    from eagle3_ray.extract.prepare_stage import run_prepare
 
     root = tmp_path_factory.mktemp("many")
     lines = resolve_data_path("builtin:ci_tiny").read_text(encoding="utf-8").splitlines()

@@ -12,19 +12,25 @@ import json
 
 import pytest
 
-from eagle3_ray.config import TargetConfig
+from eagle3_ray.config import GenerateConfig, TargetConfig
 from eagle3_ray.data.chat import render_generation_prompt
 from eagle3_ray.data.sources import Sample
 from eagle3_ray.data.distill import self_distill
 from eagle3_ray.errors import DataError
 from eagle3_ray.data.synthetic import MAX_CALLS_PER_BATCH, SYNTHETIC_MAX_TOKENS, synthetic_prompts, user_header_ids
+from eagle3_ray.data.groups import base_id, copy_id
 from eagle3_ray.extract.generate_stage import (
     COPY_SEED_STRIDE,
-    DistillActor, base_id, check_copy_ids, copy_id, generation_order, join_in_order, joined_order, synthetic_seed,
+    DistillActor, SyntheticShare, check_copy_ids, generation_order, join_in_order, joined_order, synthetic_seed,
 )
 
 TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
 GEN = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "batch_size": 2, "seed": 0}
+
+
+def _gen(**changes) -> GenerateConfig:
+    """The generate section of these tests: GEN with ``changes``."""
+    return GenerateConfig(**{**GEN, **changes})
 
 
 def _user(text: str) -> dict:
@@ -46,7 +52,7 @@ def _samples() -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def actor():
-    a = DistillActor(TARGET.model_dump(), 256)
+    a = DistillActor(TARGET, 256)
     yield a
     a.close()
 
@@ -84,7 +90,7 @@ def test_actor_feeds_the_engine_batches_of_alike_prompts(actor, tmp_path):
     actor.engine = rec = Recording(inner)
     try:
         part = tmp_path / "part.jsonl"
-        summary = actor.run([vars(s) for s in _samples()], str(part), GEN, max_length=256)
+        summary = actor.run(_samples(), str(part), _gen(), max_length=256)
     finally:
         actor.engine = inner
     # Batches of 2 in length order: (answered, mid) -> mid alone is asked, then (short, long),
@@ -174,9 +180,9 @@ def test_one_answer_per_prompt_writes_what_the_stage_wrote_before_copies(actor, 
     ordered, _ = generation_order(samples, actor.tokenizer, 256)
     self_distill(actor.engine, actor.tokenizer, ordered, before, max_new_tokens=4, temperature=0.0, top_p=1.0,
                  batch_size=2, seed=0)
-    for i, gen in enumerate([GEN, {**GEN, "samples_per_prompt": 1, "sample_temperature": 0.7}]):
+    for i, gen in enumerate([_gen(), _gen(samples_per_prompt=1, sample_temperature=0.7)]):
         part = tmp_path / f"part{i}.jsonl"
-        summary = actor.run([vars(s) for s in samples], str(part), gen, max_length=256)
+        summary = actor.run(samples, str(part), gen, max_length=256)
         assert part.read_bytes() == before.read_bytes()
         assert [c["total"] for c in summary["per_copy"]] == [5] and summary["generated"] == 4
 
@@ -184,10 +190,10 @@ def test_one_answer_per_prompt_writes_what_the_stage_wrote_before_copies(actor, 
 def test_sampled_copies_follow_copy_zero_in_generation_order_and_resume(actor, tmp_path):
     inner = actor.engine
     actor.engine = rec = Recording(inner)
-    gen = {**GEN, "samples_per_prompt": 3, "sample_temperature": 0.7, "top_p": 0.9, "seed": 5}
+    gen = _gen(samples_per_prompt=3, sample_temperature=0.7, top_p=0.9, seed=5)
     part = tmp_path / "part.jsonl"
     try:
-        summary = actor.run([vars(s) for s in _samples()], str(part), gen, max_length=256)
+        summary = actor.run(_samples(), str(part), gen, max_length=256)
     finally:
         actor.engine = inner
     written = [json.loads(line)["id"] for line in part.read_text().splitlines()]
@@ -204,7 +210,7 @@ def test_sampled_copies_follow_copy_zero_in_generation_order_and_resume(actor, t
     assert len({seed for _, _, seed in rec.sampling}) == len(rec.sampling)
     assert {p for _, p, _ in rec.sampling} == {0.9}
     # A rerun answers nothing again: every copy resumes by id from the one part file.
-    again = actor.run([vars(s) for s in _samples()], str(part), gen, max_length=256)
+    again = actor.run(_samples(), str(part), gen, max_length=256)
     assert again["generated"] == 0 and [c["skipped"] for c in again["per_copy"]] == [5, 4, 4]
     assert [json.loads(line)["id"] for line in part.read_text().splitlines()] == written
 
@@ -270,12 +276,12 @@ def test_synthetic_requests_keep_ended_new_ones_and_resume_from_their_file(actor
 def test_smollm2_writes_requests_and_answers_them(tmp_path):
     """The real SmolLM2 writes user requests from its template's header (sampled), which the actor then
     answers with the input's prompts, into the same part file; a rerun answers nothing again."""
-    a = DistillActor(TargetConfig(model="smollm2", device="cpu", dtype="float32").model_dump(), 256)
+    a = DistillActor(TargetConfig(model="smollm2", device="cpu", dtype="float32"), 256)
     try:
         part, syn = tmp_path / "part.jsonl", tmp_path / "synthetic.part-000.jsonl"
-        gen = {**GEN, "max_new_tokens": 6, "batch_size": 4}
-        synthetic = {"count": 3, "path": str(syn), "actor": 0}
-        summary = a.run([vars(_samples()[1])], str(part), gen, max_length=256, synthetic=synthetic)
+        gen = _gen(max_new_tokens=6, batch_size=4)
+        synthetic = SyntheticShare(count=3, path=str(syn), actor=0)
+        summary = a.run([_samples()[1]], str(part), gen, max_length=256, synthetic=synthetic)
         requests = [json.loads(line) for line in syn.read_text().splitlines()]
         assert summary["synthetic"] == len(requests) >= 1
         records = {r["id"]: r["conversations"] for r in map(json.loads, part.read_text().splitlines())}
@@ -284,7 +290,7 @@ def test_smollm2_writes_requests_and_answers_them(tmp_path):
             assert len(r["prompt"].split()) >= 4 and "<|im" not in r["prompt"]
             user, answer = records[r["id"]]
             assert user == _user(r["prompt"]) and answer["role"] == "assistant" and answer["content"]
-        again = a.run([vars(_samples()[1])], str(part), gen, max_length=256, synthetic=synthetic)
+        again = a.run([_samples()[1]], str(part), gen, max_length=256, synthetic=synthetic)
         assert again["generated"] == 0 and again["synthetic"] == summary["synthetic"]
     finally:
         a.close()

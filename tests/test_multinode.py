@@ -13,7 +13,8 @@ Scenarios, each one run whose checks are separate tests:
     first checkpoint; the head alone cannot hold both workers, the node comes back on its address (a
     new Ray node, its own mount namespace) and training resumes from the last checkpoint on both.
     That node sees a directory of its own at NODE_LOCAL: Ray Train storage there is refused at start.
-  * an extraction held mid-run (the engine actors wait after each commit while a hold file exists):
+  * an extraction held mid-run (its engine actors, the stage's own class with a wait added by this test,
+    wait after each commit while a hold file exists):
     a third node joins and the elastic pool puts an actor on it, then the 127.0.0.3 node's raylet is
     SIGKILLed; released, the run ends with every sample committed once.
   * ``--out`` on a per-node path (/proc/self/cwd/..., each node's processes run in their own
@@ -58,19 +59,15 @@ def cluster(ci_tiny_inputs, start_local_ray):
     module."""
     import ray
 
-    from eagle3_ray.extract.udfs import HOLD_ENV
-
     had_local = ray.is_initialized()
     ray.shutdown()
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     c = LoopbackCluster(workers=1, head_cpus=HEAD_CPUS, worker_cpus=WORKER_CPUS).start()
     hold = c.root / "hold"
     try:
-        # The engine actors read the hold file's path from their environment (HOLD_ENV); training
-        # workers' gloo binds the loopback interface (its default is the host name's address).
+        # Training workers' gloo binds the loopback interface (its default is the host name's address).
         c.connect(log_to_driver=False, configure_logging=False,
-                  runtime_env={"env_vars": {HOLD_ENV: str(hold), "TOKENIZERS_PARALLELISM": "false",
-                                            "GLOO_SOCKET_IFNAME": "lo"}})
+                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "GLOO_SOCKET_IFNAME": "lo"}})
         c.hold = hold
         yield c
     finally:
@@ -322,6 +319,23 @@ def _store_samples(node) -> float:
 
 
 
+def held(cls, hold: Path):
+    """``cls``, the extract stage's engine actor, waiting after each batch it commits while the file
+    ``hold`` exists: a run is held mid-way (a node joins, a node dies) without timing. It keeps the
+    stage's class name (the engine actors' process title); cloudpickle sends the class itself."""
+
+    class Held(cls):
+        def __call__(self, batch):
+            rows = super().__call__(batch)
+            if any(status != "skipped" for status in rows["status"]):
+                while hold.exists():
+                    time.sleep(0.1)
+            return rows
+
+    Held.__name__ = cls.__name__
+    return Held
+
+
 @pytest.fixture(scope="module")
 def held_extraction(cluster, ci_tiny_prepared, tmp_path_factory):
     """ci-tiny extraction with one sample per batch, held after each commit until the test has added
@@ -330,6 +344,7 @@ def held_extraction(cluster, ci_tiny_prepared, tmp_path_factory):
     import ray
 
     from eagle3_ray.config import load_config
+    from eagle3_ray.extract import udfs
     from eagle3_ray.extract.pipeline import run_extract
     from test_fault_injection import Background, _wait_for
 
@@ -343,7 +358,9 @@ def held_extraction(cluster, ci_tiny_prepared, tmp_path_factory):
 
     t0 = time.monotonic()
     times = {}
-    with redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout):
+        # run_extract takes the engine actor's class from udfs when it starts (the seam test_engine_start uses too)
+        patch.setattr(udfs, "CaptureWriteUDF", held(udfs.CaptureWriteUDF, cluster.hold))
         run = Background(lambda: run_extract(cfg, ci_tiny_prepared[0], store))
         try:
             _wait_for("a shard from each of the two nodes", lambda: {HEAD_IP, WORKER_IP} <= nodes_written(),

@@ -26,7 +26,7 @@ def vocab(prepared, tmp_path_factory):
 
 def test_vocab_from_prepared_tokens_keeps_the_most_frequent_loss_tokens(prepared, vocab):
     from eagle3_ray.data.vocab import load_vocab_map
-    from eagle3_ray.extract.pipeline import read_prepared
+    from eagle3_ray.extract.prepared import read_prepared
 
     _, _, ids, masks = read_prepared(prepared)
     picked = np.concatenate([i[m.astype(bool)] for i, m in zip(ids, masks)])
@@ -96,10 +96,11 @@ def test_the_pack_capture_actor_packs_what_the_engine_captures(prepared):
     import torch
 
     from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.extract.prepared import read_prepared
+    from eagle3_ray.extract.udfs import PackCaptureUDF
     from eagle3_ray.features.record import uint16_to_bf16
     from eagle3_ray.features.store import StoreMeta
-    from eagle3_ray.extract.pipeline import read_prepared
-    from eagle3_ray.extract.udfs import PACKED_KEYS, PackCaptureUDF
+    from eagle3_ray.train.data import PACKED_KEYS
 
     cfg = load_config(CI_CONFIG)
     meta = StoreMeta.from_engine_info(describe_target(cfg.target))

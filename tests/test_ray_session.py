@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
@@ -33,6 +35,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.ray  # a fresh local Ray in a subprocess
 def test_local_ray_workers_inherit_the_configured_env_vars_without_a_runtime_env(tmp_path):
     """... and the driver forwards the workers' lines but Ray Train's failing State API poll."""
     env = {k: v for k, v in os.environ.items()

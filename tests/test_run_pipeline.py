@@ -133,6 +133,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
+    del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
                              .encode()).hexdigest()[:16]
@@ -148,6 +149,14 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
+    # the bench's engine options redo the bench where they change what it measures, and only there
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["bench.concurrency=[1,4]"]), "bench", "d") == \
+        _stage_hash(cfg, "bench", "d")  # the HF bench does not read it
+    sglang = load_config("configs/ci-tiny.yaml", ["bench.engine=sglang"])
+    assert _stage_hash(sglang, "bench", "d") != _stage_hash(cfg, "bench", "d")
+    assert _stage_hash(sglang, "train", "d") == _stage_hash(cfg, "train", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["bench.engine=sglang", "bench.concurrency=[1,4]"]),
+                       "bench", "d") != _stage_hash(sglang, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.synthetic_prompts=100"]), "generate", "d") != \
         _stage_hash(cfg, "generate", "d")  # the target's own requests: other data
     # evaluation-only groups change what the vocab stage counts and what is trained; groups alone only

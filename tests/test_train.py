@@ -35,7 +35,7 @@ def _pack_tokens(cfg, features, ci_tiny_inputs, tmp_path) -> dict[str, int]:
     """Sample tokens of every training pack of the plan, by pack key."""
     from eagle3_ray.train.trainer import plan_training
 
-    packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path)[1]
+    packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path)[0].packs
     return {p.key: p.tokens for p in packs}
 
 
@@ -58,12 +58,13 @@ def test_the_train_job_reaches_the_workers_typed(ci_tiny_inputs, tmp_path):
 
     from eagle3_ray.config import TrainConfig
     from eagle3_ray.drafter.model import DrafterConfig
-    from eagle3_ray.train.trainer import plan_training
+    from eagle3_ray.train.trainer import plan_training, train_job
 
     cfg = load_config(CI_CONFIG, ["train.grad_accum=3"])
     for section in (cfg, cfg.target, cfg.extract, cfg.train, cfg.bench, cfg.ray):
         assert ray.cloudpickle.loads(ray.cloudpickle.dumps(section)) == section
-    job, *_ = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)
+    train_plan, _ = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)
+    job = train_job(cfg, train_plan, tmp_path, use_gpu=False, storage=tmp_path / "ray_train")
     back = ray.cloudpickle.loads(ray.cloudpickle.dumps({"job": job}))["job"]
     assert isinstance(back.train, TrainConfig) and back.train.grad_accum == 3
     assert isinstance(back.drafter_config, DrafterConfig) and back.drafter_config == job.drafter_config
@@ -75,7 +76,7 @@ def test_holdout_by_prompt_keeps_copies_together_and_the_old_split_without_copie
     """train.val_share holds a prompt's answers (<id>, <id>#s1, ...: generate.samples_per_prompt) out
     together; ids without a copy suffix give exactly the per-sample split of earlier runs (resumed
     checkpoints and their packs depend on it)."""
-    from eagle3_ray.extract.generate_stage import base_id, copy_id
+    from eagle3_ray.data.groups import base_id, copy_id
     from eagle3_ray.train.packing import holdout, holdout_groups
 
     plain = [f"p{i}" for i in range(37)] + ["a#sx", "a#s", "data-4", "q#s1b", "7"]
@@ -100,12 +101,11 @@ def test_the_store_split_of_ids_without_copies_is_the_per_sample_one(ci_tiny_inp
     from eagle3_ray.train.trainer import plan_training
 
     cfg = load_config(CI_CONFIG, ["train.val_share=0.25"])
-    job, packs, store, val_packs = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab",
-                                                 tmp_path)
+    train_plan, store = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path)
     assert not any("#s" in str(i) for i in store.sample_ids)
-    held = sorted(i for p in val_packs for i in p.samples)
+    held = sorted(i for p in train_plan.val_packs for i in p.samples)
     assert held == holdout(len(store), 0.25, cfg.train.seed)[1].tolist()
-    assert "val_split" not in job.identity  # checkpoints of earlier runs still resume
+    assert "val_split" not in train_plan.identity  # checkpoints of earlier runs still resume
 
 
 def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
@@ -123,11 +123,13 @@ def test_holdout_splits_every_sample_once_and_remap_returns_store_indices():
 
 def test_held_out_samples_are_evaluated_and_never_trained_on(trained_4_steps, ci_tiny_inputs, tmp_path):
     from eagle3_ray.train.checkpoint import read_train_state
-    from eagle3_ray.train.trainer import plan_training
+    from eagle3_ray.train.trainer import plan_training, train_job
 
     out, ckpt, features = trained_4_steps
     cfg = load_config(CI_CONFIG, TRAIN_4)
-    job, packs, store, val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")
+    train_plan, store = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")
+    packs, val_packs = train_plan.packs, train_plan.val_packs
+    job = train_job(cfg, train_plan, tmp_path, use_gpu=False, storage=tmp_path / "ray_train")
     held = {i for p in val_packs for i in p.samples}
     late = {i for i, sid in enumerate(store.sample_ids) if sid in ("ci-10", "ci-11", "ci-12")}
     # the eval-only group whole, then the share of the other 9 samples
@@ -181,8 +183,9 @@ def test_eval_only_groups_must_exist_and_match_and_leave_something_to_train(ci_t
     plain = plan_training(load_config(CI_CONFIG, ["train.val_share=0.25"]), features, vocab, tmp_path / "c")
     grouped = plan_training(load_config(CI_CONFIG, ["train.val_share=0.25", 'train.val_groups={x: "ci-0.*"}']),
                             features, vocab, tmp_path / "d")
-    assert plain[1] == grouped[1] and plain[0].identity == grouped[0].identity
-    assert sorted(i for p in plain[3] for i in p.samples) == sorted(i for p in grouped[3] for i in p.samples)
+    assert plain[0].packs == grouped[0].packs and plain[0].identity == grouped[0].identity
+    assert sorted(i for p in plain[0].val_packs for i in p.samples) == sorted(
+        i for p in grouped[0].val_packs for i in p.samples)
 
 
 def test_training_refuses_a_vocab_map_that_counted_its_eval_only_samples(ci_tiny_inputs, tmp_path):
@@ -300,7 +303,7 @@ def test_two_workers_train_at_the_kimi_presets_zero_stage_on_gloo(trained_4_step
     assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in lines)
     # The held-out packs are split over the two ranks and their sums added: every token counted once,
     # at every evaluation.
-    val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")[3]
+    val_packs = plan_training(cfg, features, ci_tiny_inputs / "vocab_groups", tmp_path / "plan")[0].val_packs
     assert [m["val_tokens"] for m in lines if "val_tokens" in m] == [sum(p.tokens for p in val_packs)] * 2
 
     # The gathered weights moved from their seeded initialisation, by optimizer-sized steps.

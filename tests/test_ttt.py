@@ -335,7 +335,7 @@ def test_block_mask_is_the_dense_mask_over_a_fixed_length_cache():
 
 def test_attention_setting_resolves_per_device():
     from eagle3_ray.errors import ConfigError
-    from eagle3_ray.train.loop import resolve_attention
+    from eagle3_ray.train.step import resolve_attention
 
     assert resolve_attention("auto", "cpu") == "sdpa"
     assert resolve_attention("auto", "cuda") == "varlen"

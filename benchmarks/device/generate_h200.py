@@ -80,12 +80,12 @@ def main() -> int:
 
     device = "cpu" if a.cpu else "cuda"
     cfg = TargetConfig(model=a.gguf, device=device, dtype="float32" if a.cpu else "bfloat16")
-    actor = DistillActor(cfg.model_dump(), 65536)
+    actor = DistillActor(cfg, 65536)
     engine, tok = actor.engine, actor.tokenizer
     engine.static_generate = True  # on CPU too (it runs the same step eagerly there)
     samples = [s for s in read_samples(Path(a.prompts), max_samples=a.num_prompts) if isinstance(s, Sample)]
     log(f"target loaded; {len(samples)} prompts ({sum(len(s.messages) > 1 for s in samples)} with several turns)")
-    gen = GenerateConfig(max_new_tokens=a.new_tokens, batch_size=a.batch).model_dump()
+    gen = GenerateConfig(max_new_tokens=a.new_tokens, batch_size=a.batch)
     res: dict = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)" if not a.cpu else "SmolLM2 GGUF, fp32, CPU",
@@ -103,7 +103,7 @@ def main() -> int:
         part = Path(tempfile.mkdtemp()) / "part.jsonl"
         t = time.perf_counter()
         if name == "product":
-            summary = actor.run([vars(s) for s in samples], str(part), gen, a.max_length)
+            summary = actor.run(samples, str(part), gen, a.max_length)
             rejected = len(summary.pop("rejected"))
         elif name == "side_script":
             chosen = side_script_order(samples, tok, a)

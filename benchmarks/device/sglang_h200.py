@@ -246,14 +246,13 @@ def step_generate(a) -> dict:
     from eagle3_ray.data.sources import read_samples, resolve_data_path
     from eagle3_ray.extract.generate_stage import DistillActor
 
-    samples = [vars(s) for s in read_samples(resolve_data_path("builtin:demo_prompts"), "auto", a.prompts, None)]
-    samples = [{"sample_id": s["sample_id"], "messages": s["messages"], "source": s["source"]} for s in samples]
-    gen = GenerateConfig(max_new_tokens=a.new_tokens, batch_size=a.gen_batch).model_dump()
+    samples = list(read_samples(resolve_data_path("builtin:demo_prompts"), "auto", a.prompts, None))
+    gen = GenerateConfig(max_new_tokens=a.new_tokens, batch_size=a.gen_batch)
     res: dict = {"prompts": len(samples), "max_new_tokens": a.new_tokens, "batch_size": a.gen_batch}
     answers = {}
     for backend in ("sglang", "hf"):
         t = time.perf_counter()
-        actor = DistillActor(target_cfg(a.target, backend, mem_fraction_static=0.5).model_dump(), 16384)
+        actor = DistillActor(target_cfg(a.target, backend, mem_fraction_static=0.5), 16384)
         started = time.perf_counter() - t
         part = Path(f"/tmp/distill-{backend}.jsonl")
         part.unlink(missing_ok=True)

@@ -37,7 +37,7 @@ sglang_kill_every_sample_once.
 
 The SmolLM2 GGUF is converted (and part b's data prepared) in a background process at the start.
 
-    export PYTHONPATH=/tmp/site:$PWD   # and run benchmarks/device/sglang_setup.sh first
+    source benchmarks/device/h200_session.sh sgl3   # after its base, gg1, gg2, sgl1, sgl2 steps
     PYTHONUNBUFFERED=1 python3 benchmarks/device/sglang_h200_2.py --out $OUT --budget-s 330
 CPU check of the script's own paths (no SGLang engine; fakes where named):
     python benchmarks/device/sglang_h200_2.py --out /tmp/s2 --cpu
@@ -486,7 +486,7 @@ def part_b(a) -> dict:
     res: dict = {"rc": rc, "seconds": time.perf_counter() - t, "kill": killed, "backend": backend}
     import pyarrow.parquet as pq
 
-    from eagle3_ray.extract.pipeline import prepared_path
+    from eagle3_ray.extract.prepared import prepared_path
 
     want = pq.read_table(prepared_path(prepared), columns=["sample_id"]).column("sample_id").to_pylist()
     ids = [sid for m in manifest(store) for sid in m["sample_ids"]]
@@ -509,10 +509,9 @@ def part_c(a) -> dict:
     from eagle3_ray.extract.generate_stage import DistillActor
 
     n = a.prompts if not a.cpu else 4
-    samples = [vars(s) for s in read_samples(resolve_data_path("builtin:demo_prompts"), "auto", n, None)]
-    samples = [{"sample_id": s["sample_id"], "messages": s["messages"], "source": s["source"]} for s in samples]
-    gen = GenerateConfig(max_new_tokens=a.new_tokens if not a.cpu else 8, batch_size=a.gen_batch).model_dump()
-    res: dict = {"prompts": len(samples), "max_new_tokens": gen["max_new_tokens"], "batch_size": a.gen_batch}
+    samples = list(read_samples(resolve_data_path("builtin:demo_prompts"), "auto", n, None))
+    gen = GenerateConfig(max_new_tokens=a.new_tokens if not a.cpu else 8, batch_size=a.gen_batch)
+    res: dict = {"prompts": len(samples), "max_new_tokens": gen.max_new_tokens, "batch_size": a.gen_batch}
     answers = {}
     for backend in (("hf",) if a.cpu else ("sglang", "hf")):
         extra = {"cuda_graph_max_bs_decode": a.gen_batch} if backend == "sglang" else {}
@@ -520,7 +519,7 @@ def part_c(a) -> dict:
         if extra:
             cfg.sglang.extra_engine_kwargs.update(extra)
         t = time.perf_counter()
-        actor = DistillActor(cfg.model_dump(), 16384)
+        actor = DistillActor(cfg, 16384)
         started = time.perf_counter() - t
         part = WORK / f"distill-{backend}.jsonl"
         part.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 # Speculative decoding on the H200 against the project's CUDA-graphed plain decoding: drafter
 # CUDA-graphed vs eager, chain(3) and tree, MT-bench turns, bf16, with the divergence audit
 # (benchmarks/device/spec_h200.py drives the product's BenchActor). Run from the repository root,
-# PYTHONPATH=/tmp/site:$PWD set:
+# after `source benchmarks/device/h200_session.sh env` (PYTHONPATH set):
 #
 #   DRAFTER=<exported drafter dir> TARGET=<HF dir of SmolLM2-135M-Instruct> MTBENCH=<mt_bench.jsonl> \
 #       bash benchmarks/device/spec_h200.sh

@@ -14,11 +14,15 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 from eagle3_ray.errors import DataError
 
+if TYPE_CHECKING:
+    from eagle3_ray.config import DataConfig
+
 BUILTIN_PREFIX = "builtin:"
+DEFAULT_DATA = BUILTIN_PREFIX + "demo_prompts"  # a stage's input when neither --data nor data.path names one
 Format = Literal["auto", "sharegpt", "openai", "prompts"]
 
 ROLE_ALIASES = {
@@ -94,6 +98,21 @@ def file_fingerprint(path: str | Path) -> dict[str, Any]:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return {"data": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def input_path(data: str | None, cfg: DataConfig) -> Path:
+    """The file a stage reads: ``data`` (its --data), else ``data.path``, else ``DEFAULT_DATA``."""
+    return resolve_data_path(data or cfg.path or DEFAULT_DATA)
+
+
+def read_input(data: str | None, cfg: DataConfig) -> tuple[Path, list[Sample], list[Reject]]:
+    """A stage's input (``input_path``) read whole with the data section's settings: (the file, its
+    samples, its rejected records)."""
+    source = input_path(data, cfg)
+    samples, rejects = [], []
+    for item in read_samples(source, cfg.format, cfg.max_samples, cfg.system_prompt):
+        (rejects if isinstance(item, Reject) else samples).append(item)
+    return source, samples, rejects
 
 
 def read_samples(

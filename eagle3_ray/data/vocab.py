@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 from eagle3_ray.atomic import write_file
 from eagle3_ray.errors import ConfigError, DataError, StoreError
 
+VOCAB_FILE = "vocab_map.safetensors"  # the map's file in a vocab stage's --out
 _FINGERPRINT_VERSION = "vocab-map-v1"
 
 

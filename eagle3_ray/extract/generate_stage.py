@@ -16,7 +16,7 @@ alone fill ``data.max_length`` are rejected up front: no answer token of theirs 
 the same target from the same prompts. Each actor writes its copies, in the same generation order,
 into its one part file after copy 0 (resume skips the ids already written); the join puts each
 prompt's copies together, copy 0 first. Training holds a prompt's copies out together
-(``base_id``; train/trainer.py).
+(``data/groups.py: base_id``).
 
 ``generate.synthetic_prompts`` = m > 0: the actors first write m user requests of the target's own
 (data/synthetic.py), actor i its share into ``synthetic.part-<i>.jsonl``, and answer them with their
@@ -33,83 +33,80 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3_ray.atomic import write_json, write_stream
-from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.config import GenerateConfig, PipelineConfig, TargetConfig, save_resolved
+from eagle3_ray.data.groups import copy_id
+from eagle3_ray.data.sources import Sample
 from eagle3_ray.data.synthetic import SYNTHETIC_ID, read_synthetic
 from eagle3_ray.errors import ConfigError, DataError
+from eagle3_ray.extract.stage import write_summary
 from eagle3_ray.progress import say
+from eagle3_ray.rejects import REJECTS_FILE, append_rejects
 
 CONVERSATIONS_FILE = "conversations.jsonl"
 ANSWERS_META = "answers_meta.json"  # answer_settings of the part files beside it
 PART_GLOBS = ("conversations.part-*.jsonl", "synthetic.part-*.jsonl")
-COPY_TAG = "#s"  # <id>#s<copy>: the sampled copies 1..n-1 of a prompt (generate.samples_per_prompt)
-_COPY_SUFFIX = re.compile(re.escape(COPY_TAG) + r"[0-9]+\Z")
 
 
-def copy_id(sample_id: str, copy: int) -> str:
-    """Id of answer ``copy`` of a prompt: its own id for copy 0, ``<id>#s<copy>`` for the sampled ones."""
-    return sample_id if copy == 0 else f"{sample_id}{COPY_TAG}{copy}"
+@dataclass(frozen=True)
+class SyntheticShare:
+    """An actor's share of ``generate.synthetic_prompts``: ``count`` requests of the target's own,
+    written to ``path`` by actor number ``actor``."""
 
-
-def base_id(sample_id: str) -> str:
-    """The prompt an answer belongs to: ``sample_id`` without a trailing ``#s<digits>``."""
-    return _COPY_SUFFIX.sub("", sample_id)
+    count: int
+    path: str
+    actor: int
 
 
 class DistillActor:
     """Holds one target engine; `run` self-distills a list of samples into a part file."""
 
-    def __init__(self, target_cfg: dict, batch_tokens: int):
-        from eagle3_ray.config import TargetConfig
-        from eagle3_ray.engines.factory import build_engine
+    def __init__(self, target: TargetConfig, batch_tokens: int):
         from eagle3_ray.engines.describe import load_tokenizer
+        from eagle3_ray.engines.factory import build_engine
 
-        cfg = TargetConfig.model_validate(target_cfg)
-        self.engine = build_engine(cfg, batch_tokens=batch_tokens, mode="generate")
-        self.tokenizer = load_tokenizer(cfg)
+        self.engine = build_engine(target, batch_tokens=batch_tokens, mode="generate")
+        self.tokenizer = load_tokenizer(target)
 
-    def run(self, samples: list[dict], part_path: str, gen: dict, max_length: int | None = None,
-            synthetic: dict | None = None) -> dict:
-        """Answers ``samples`` into ``part_path`` (resumable), ``gen["samples_per_prompt"]`` times
-        (default 1; see the module doc); the summary's ``rejected`` lists the prompts too long for
-        ``max_length`` (None: none rejected), which are not answered, and ``per_copy`` the summary
-        of each copy (its ``total``: the records of that copy in the part file). ``synthetic``
-        (``count``, ``path``, ``actor``): first write that many requests of the target's own and
-        answer them too (``synthetic`` in the summary: how many)."""
+    def run(self, samples: list[Sample], part_path: str, gen: GenerateConfig, max_length: int | None = None,
+            synthetic: SyntheticShare | None = None) -> dict:
+        """Answers ``samples`` into ``part_path`` (resumable), ``gen.samples_per_prompt`` times (see
+        the module doc); the summary's ``rejected`` lists the prompts too long for ``max_length``
+        (None: none rejected), which are not answered, and ``per_copy`` the summary of each copy (its
+        ``total``: the records of that copy in the part file). ``synthetic``: first write that many
+        requests of the target's own and answer them too (``synthetic`` in the summary: how many)."""
         from eagle3_ray.data.distill import self_distill
-        from eagle3_ray.data.sources import Sample
         from eagle3_ray.data.synthetic import synthetic_prompts
 
-        own = [Sample(**s) for s in samples]
         written = []
-        if synthetic and synthetic["count"] > 0:
-            written = synthetic_prompts(self.engine, self.tokenizer, synthetic["count"], synthetic["path"],
-                                        actor=synthetic["actor"], batch_size=gen["batch_size"],
-                                        seed=synthetic_seed(gen["seed"], synthetic["actor"]))
-        ordered, too_long = generation_order(own + written, self.tokenizer, max_length)
+        if synthetic and synthetic.count > 0:
+            written = synthetic_prompts(self.engine, self.tokenizer, synthetic.count, synthetic.path,
+                                        actor=synthetic.actor, batch_size=gen.batch_size,
+                                        seed=synthetic_seed(gen.seed, synthetic.actor))
+        ordered, too_long = generation_order(list(samples) + written, self.tokenizer, max_length)
         per_copy = []
-        for copy in range(int(gen.get("samples_per_prompt", 1))):
+        for copy in range(gen.samples_per_prompt):
             if copy == 0:
-                todo, temperature = ordered, gen["temperature"]
+                todo, temperature = ordered, gen.temperature
             else:  # samples with answers already would only be repeated: prompt-only ones are copied
                 todo = [dataclasses.replace(s, sample_id=copy_id(s.sample_id, copy))
                         for s in ordered if s.needs_generation]
-                temperature = gen["sample_temperature"]
+                temperature = gen.sample_temperature
             summary = self_distill(
                 self.engine,
                 self.tokenizer,
                 todo,
                 part_path,
-                max_new_tokens=gen["max_new_tokens"],
+                max_new_tokens=gen.max_new_tokens,
                 temperature=temperature,
-                top_p=gen["top_p"],
-                batch_size=gen["batch_size"],
-                seed=copy_seed(gen["seed"], copy),
+                top_p=gen.top_p,
+                batch_size=gen.batch_size,
+                seed=copy_seed(gen.seed, copy),
             )
             per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
         out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}
@@ -244,27 +241,17 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
-    from eagle3_ray.data.sources import Reject, file_fingerprint, read_samples, resolve_data_path
-    from eagle3_ray.extract.pipeline import REJECTS_FILE, append_rejects, write_json_atomic
+    from eagle3_ray.data.sources import file_fingerprint, read_input
 
     t0 = time.monotonic()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
-    source = resolve_data_path(data or cfg.data.path or "builtin:demo_prompts")
-    samples, rejects, read = [], [], []
-    for item in read_samples(source, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
-        if isinstance(item, Reject):
-            rejects.append({**vars(item), "stage": "generate"})
-        else:
-            read.append(item)
-            samples.append(
-                {"sample_id": item.sample_id, "messages": item.messages, "source": item.source}
-            )
+    source, samples, rejected = read_input(data, cfg.data)
+    rejects = [{**dataclasses.asdict(r), "stage": "generate"} for r in rejected]
     copies = cfg.generate.samples_per_prompt
-    check_copy_ids(read, copies)
+    check_copy_ids(samples, copies)
     n_synthetic = cfg.generate.synthetic_prompts
-    taken = [s.sample_id for s in read if s.sample_id.startswith(SYNTHETIC_ID)] if n_synthetic else []
+    taken = [s.sample_id for s in samples if s.sample_id.startswith(SYNTHETIC_ID)] if n_synthetic else []
     if taken:
         raise DataError(f"the input has ids starting {SYNTHETIC_ID!r} ({taken[0]!r}, ...), which "
                         f"generate.synthetic_prompts={n_synthetic} gives the target's own requests; rename those "
@@ -273,15 +260,14 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     # its old answer (`eagle3-ray run` refuses other data for its --out before this stage).
     check_answer_settings(out, {**answer_settings(cfg), "input.sha256": file_fingerprint(source)["sha256"]})
     (out / REJECTS_FILE).unlink(missing_ok=True)
-    append_rejects(out / REJECTS_FILE, rejects)
+    append_rejects(out, rejects)
 
     n = max(1, min(cfg.extract.num_actors, len(samples)))
     actor_cls = ray.remote(
         num_gpus=cfg.extract.num_gpus_per_actor or 0, num_cpus=cfg.extract.num_cpus_per_actor, max_restarts=2
     )(DistillActor)
-    actors = [actor_cls.remote(cfg.target.model_dump(), cfg.extract.batch_tokens) for _ in range(n)]
+    actors = [actor_cls.remote(cfg.target, cfg.extract.batch_tokens) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
-    gen = cfg.generate.model_dump()
     say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected"
         + (f" + {n_synthetic} requests the target writes itself" if n_synthetic else "")
         + (f"; {copies} answers per prompt (copies 1-{copies - 1} sampled at temperature "
@@ -289,28 +275,28 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     shares = [n_synthetic // n + (i < n_synthetic % n) for i in range(n)]
     synthetic_parts = [out / f"synthetic.part-{i:03d}.jsonl" for i in range(n)]
     results = ray.get(
-        [a.run.remote(samples[i::n], str(parts[i]), gen, cfg.data.max_length,
-                      {"count": shares[i], "path": str(synthetic_parts[i]), "actor": i})
+        [a.run.remote(samples[i::n], str(parts[i]), cfg.generate, cfg.data.max_length,
+                      SyntheticShare(shares[i], str(synthetic_parts[i]), i))
          for i, a in enumerate(actors)]
     )
     for a in actors:
         ray.kill(a)
     too_long = [r for res in results for r in res.pop("rejected", [])]
     if too_long:
-        append_rejects(out / REJECTS_FILE, too_long)
+        append_rejects(out, too_long)
         say(f"[generate] {len(too_long)} prompts rejected: too long for data.max_length={cfg.data.max_length}")
 
     joined = out / CONVERSATIONS_FILE
     synthetic_ids = [s.sample_id for p in synthetic_parts if p.exists() for s in read_synthetic(p)]
-    ids = joined_order([s["sample_id"] for s in samples] + synthetic_ids, copies)
+    ids = joined_order([s.sample_id for s in samples] + synthetic_ids, copies)
     count = write_stream(joined, lambda dst: join_in_order(parts, ids, dst))
     per_copy = [sum(res["per_copy"][c]["total"] for res in results) for c in range(copies)]
     synthetic = sum(res.pop("synthetic", 0) for res in results)
     if n_synthetic:
         say(f"[generate] {synthetic} of {n_synthetic} requests written by the target"
             + (" (it left the rest unfinished or repeated)" if synthetic < n_synthetic else ""))
-    write_json_atomic(
-        out / "summary.json",
+    write_summary(
+        out,
         {"conversations": count, "samples_per_prompt": copies, "conversations_per_copy": per_copy,
          "synthetic_prompts": synthetic,
          "rejected": len(rejects) + len(too_long), "parts": results,

@@ -19,17 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from eagle3_ray.config import TargetConfig
+from eagle3_ray.extract.startup import ActorStartup
 
 if TYPE_CHECKING:
     from eagle3_ray.features.store import StoreMeta
-
-
-def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
-    """An object array of per-row ndarrays (Ray Data stores it as a variable-shaped tensor column)."""
-    out = np.empty(len(arrays), dtype=object)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
 
 
 class TokenizeUDF:
@@ -96,7 +89,7 @@ class CaptureUDF:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        from eagle3_ray.features.record import bf16_to_uint16
+        from eagle3_ray.features.record import bf16_to_uint16, ragged
 
         t0 = time.monotonic()
         seqs = [np.asarray(a).tolist() for a in batch["input_ids"]]
@@ -105,10 +98,7 @@ class CaptureUDF:
         last = [bf16_to_uint16(c.last_hidden.to(torch.bfloat16)) for c in captures]
         _record_capture(self.run, self.stage, len(seqs), sum(len(q) for q in seqs), time.monotonic() - t0)
         # Every input column travels on (online mode carries its pack keys through the engine).
-        return {**batch, "aux_hidden": _ragged(aux), "last_hidden": _ragged(last)}
-
-
-PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "seq_ids")
+        return {**batch, "aux_hidden": ragged(aux), "last_hidden": ragged(last)}
 
 
 class PackCaptureUDF(CaptureUDF):
@@ -123,14 +113,19 @@ class PackCaptureUDF(CaptureUDF):
     """
 
     def __init__(self, prepared: str, target: TargetConfig, batch_tokens: int, meta: StoreMeta,
-                 run: str = "", store_root: str | None = None):
-        from eagle3_ray.extract.pipeline import read_prepared
+                 run: str = "", store_root: str | None = None, shard_max_bytes: int | None = None):
+        """``store_root`` (hybrid): the feature store each call commits its samples to, in shards of
+        about ``shard_max_bytes`` (``extract.shard_max_bytes``; None: one shard a call)."""
+        from eagle3_ray.extract.prepared import read_prepared
 
         super().__init__(target, batch_tokens, meta.hidden_size, run=run, stage="online")
         self.sample_ids, _, self.ids, self.masks = read_prepared(prepared)
-        self.meta, self.store_root = meta, store_root
+        self.meta, self.store_root, self.shard_max_bytes = meta, store_root, shard_max_bytes
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from eagle3_ray.features.record import ragged
+        from eagle3_ray.train.data import PACKED_KEYS, packed_row
+
         packs = [np.asarray(s, dtype=np.int64) for s in batch["samples"]]
         flat = np.concatenate(packs)  # prepared indices of every sample in this call
         records = [self._record(i, c) for i, c in zip(flat, self._capture([self.ids[i].tolist() for i in flat]))]
@@ -139,9 +134,9 @@ class PackCaptureUDF(CaptureUDF):
         for pack in packs:
             kept = [records[j] for j in range(start, start + len(pack)) if keep[j]]
             start += len(pack)
-            rows.append(_packed_row(kept) if kept else None)
+            rows.append(packed_row(kept) if kept else None)
         ok = [i for i, r in enumerate(rows) if r is not None]
-        return {"key": batch["key"][ok], **{k: _ragged([rows[i][k] for i in ok]) for k in PACKED_KEYS}}
+        return {"key": batch["key"][ok], **{k: ragged([rows[i][k] for i in ok]) for k in PACKED_KEYS}}
 
     def _capture(self, seqs: list[list[int]]) -> list:
         """The engine's captures of `seqs`, counted on the dashboard as `CaptureUDF` counts its own."""
@@ -178,7 +173,7 @@ class PackCaptureUDF(CaptureUDF):
         else:
             wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
             with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
-                                    shard_max_bytes=2**62) as w:
+                                    shard_max_bytes=self.shard_max_bytes) as w:
                 for rec in records:
                     try:
                         w.add(rec)
@@ -191,20 +186,6 @@ class PackCaptureUDF(CaptureUDF):
         return keep
 
 
-def _packed_row(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Records -> one packed row in the layout of train/data.py (bf16 as uint16)."""
-    import torch
-
-    from eagle3_ray.features.record import bf16_to_uint16
-    from eagle3_ray.train.packing import collate
-
-    packed = collate(records)
-    return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
-
-
-# Fault-injection tests only: while the file this names exists, an engine actor waits after
-# committing each batch, so a test can hold a run mid-way (a node joins, a node dies) without timing.
-HOLD_ENV = "EAGLE3_EXTRACT_HOLD"
 START_POLL_S = 0.05  # CaptureWriteUDF: how often a call looks for the run's start file
 
 
@@ -216,15 +197,6 @@ def _ray_placement() -> tuple[dict[str, str] | None, str]:
         return None, ""
     ctx = ray.get_runtime_context()
     return {"ip": ray.util.get_node_ip_address(), "id": ctx.get_node_id()}, ctx.get_actor_id() or ""
-
-
-def _process_start() -> float:
-    """When this process started (time.time() clock); nan where psutil (a Ray dependency) is absent."""
-    try:
-        import psutil
-    except ImportError:
-        return float("nan")
-    return psutil.Process().create_time()
 
 
 def _record_stage(run: str, stage: str, samples: int, tokens: int, rejects: int) -> None:
@@ -258,10 +230,12 @@ class CaptureWriteUDF:
     """Offline extraction: capture, validate and commit one shard per batch inside the engine actor.
 
     Features never cross the object store (at 8B scale a batch is ~270 MB: serialising it and
-    re-reading it in a writer task cost more than the forward). The shard is named after the batch's
-    sample ids, so a retried call (actor died after committing) finds its shard and does no work
-    twice; a call that died before committing left nothing. Calls may run concurrently in threads
-    (the next forward overlaps this one's device-to-host copy and write). Returns a small row per sample.
+    re-reading it in a writer task cost more than the forward). A batch is one shard (whatever
+    ``extract.shard_max_bytes``), named after its sample ids, so a retried call (actor died after
+    committing) finds its shard and does no work twice; a call that died before committing left
+    nothing. Calls may run concurrently in threads (the next forward overlaps this one's
+    device-to-host copy and write). Returns a small row per sample, with the actor's start-up
+    (extract/startup.py).
     """
 
     def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta | None,
@@ -269,14 +243,11 @@ class CaptureWriteUDF:
         """``meta``: the store's; None with ``start_file``: the store's metadata is read once the driver
         has written ``start_file`` (it created or checked the store meanwhile, while this engine was
         built), and nothing is captured or written before; ``{"go": false}`` there stops the call."""
-        # The actor's start-up on the wall clock, for the stage's breakdown: its process started,
-        # this constructor entered, the engine modules (torch) imported.
-        self.started_at = (_process_start(), time.time())
+        self.startup = ActorStartup()
         self.root, self.meta, self.start_file = root, None, start_file
         self._started = threading.Lock()
         self.run = run
         self.node, self.actor = _ray_placement()
-        self.hold = os.environ.get(HOLD_ENV)
         if _stopped_before_start(start_file):
             # The driver's checks failed before this actor got here: its calls only raise the
             # driver's reason (_await_start), so the target is not loaded for nothing (the driver
@@ -285,12 +256,9 @@ class CaptureWriteUDF:
             return
         from eagle3_ray.engines.factory import build_engine
 
-        self.imported_at = time.time()
-        t0 = time.monotonic()
+        self.startup.imported()
         self.engine = build_engine(target, batch_tokens=batch_tokens)
-        # Reported with every row, for the stage's start-up breakdown: the build's seconds, and when
-        # it ended (wall clock: the driver compares it with its own start, on the same node or an NTP'd one).
-        self.engine_s, self.ready_at = time.monotonic() - t0, time.time()
+        self.startup.built()
         if meta is not None:
             self._take_meta(meta)
         elif start_file is None:
@@ -334,7 +302,7 @@ class CaptureWriteUDF:
         captures = self.engine.capture([a.tolist() for a in ids])
         _record_capture(self.run, "capture", len(ids), int(lengths.sum()), time.monotonic() - t0)
         status, reasons = [], []
-        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=2**62, node=self.node) as w:
+        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=None, node=self.node) as w:
             for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
                 rec = {
                     "sample_id": sid,
@@ -352,23 +320,17 @@ class CaptureWriteUDF:
                     status.append("rejected")
                     reasons.append(str(e))
         self._record_store(w, lengths, status)
-        while self.hold and os.path.exists(self.hold):
-            time.sleep(0.1)
         return self._rows(batch["sample_id"], lengths, status, reasons)
 
     def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str]):
-        """One small row per sample: its status, the engine actor and node that handled it, and how
-        long that actor took to build its engine and when it was done."""
+        """One small row per sample: its status, the engine actor and node that handled it, and the
+        actor's start-up."""
         n = len(status)
         return {"sample_id": sample_ids, "num_tokens": lengths, "status": np.asarray(status, dtype=object),
                 "reason": np.asarray(reasons, dtype=object),
                 "actor": np.asarray([self.actor] * n, dtype=object),
                 "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object),
-                "engine_s": np.full(n, self.engine_s, dtype=np.float64),
-                "engine_ready_at": np.full(n, self.ready_at, dtype=np.float64),
-                "process_at": np.full(n, self.started_at[0], dtype=np.float64),
-                "init_at": np.full(n, self.started_at[1], dtype=np.float64),
-                "imported_at": np.full(n, self.imported_at, dtype=np.float64)}
+                **self.startup.columns(n)}
 
     def _record_store(self, writer, lengths: np.ndarray, status: list[str]) -> None:
         from eagle3_ray import metrics

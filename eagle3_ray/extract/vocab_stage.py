@@ -10,9 +10,9 @@ import numpy as np
 
 from eagle3_ray.atomic import write_json
 from eagle3_ray.config import PipelineConfig, save_resolved
+from eagle3_ray.data.vocab import VOCAB_FILE
+from eagle3_ray.extract.stage import SUMMARY_FILE
 from eagle3_ray.progress import say
-
-VOCAB_FILE = "vocab_map.safetensors"
 
 
 class ShardTokenCounter:
@@ -51,7 +51,6 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
     from eagle3_ray.data.groups import sample_groups
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     vocab_size = int(store.meta.vocab_size)
@@ -92,7 +91,7 @@ def run_vocab(cfg: PipelineConfig, features: str | Path, out: str | Path) -> Pat
     if excluded:
         meta["eval_only_samples"] = len(excluded)
     save_vocab_map(path, d2t, t2d, meta)
-    write_json(out / "summary.json", meta, newline=False)
+    write_json(out / SUMMARY_FILE, meta, newline=False)
     say(
         (f"[vocab] {len(excluded)} samples of train.eval_only {cfg.train.eval_only} not counted; " if excluded
          else "[vocab] ") + f"{meta['distinct_tokens']} distinct loss tokens; draft vocab {cfg.vocab.draft_vocab_size} "

@@ -14,10 +14,10 @@ from eagle3_ray.features.record import (
     uint16_to_bf16,
     validate_record,
 )
+from eagle3_ray.features.reader import FeatureStore, open_store
+from eagle3_ray.features.shards import ShardInfo
 from eagle3_ray.features.store import (
-    FeatureStore,
     FeatureStoreWriter,
-    ShardInfo,
     StoreMeta,
     append_reject,
     check_compatible,
@@ -25,11 +25,9 @@ from eagle3_ray.features.store import (
     completed_ids,
     create_store,
     manifest,
-    open_store,
     read_meta,
-    read_rejects,
-    rejected_ids,
 )
+from eagle3_ray.rejects import read_rejects, rejected_ids
 
 __all__ = [
     "AUX_HIDDEN",

@@ -65,6 +65,14 @@ def uint16_to_bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a).view(torch.bfloat16)
 
 
+def ragged(arrays: list[np.ndarray]) -> np.ndarray:
+    """An object array of per-row ndarrays (Ray Data stores it as a variable-shaped tensor column)."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
 def _field_to_torch(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value

@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 SHARDS_DIR = "shards"
 SHARD_SUFFIX = ".safetensors"
 MARKER_SUFFIX = ".done.json"
+MARKERS_GLOB = f"{SHARDS_DIR}/*{MARKER_SUFFIX}"  # every completion marker, from the store's root (for messages)
 OFFSETS = "offsets"
 
 ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16",

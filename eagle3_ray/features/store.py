@@ -1,4 +1,4 @@
-"""The offline feature store: metadata, manifest (completion markers), rejects, writer, reader.
+"""The offline feature store: metadata, manifest (completion markers), rejects, writer.
 
 Layout (docs/feature-store.md has the full description, readable without this package):
 
@@ -16,8 +16,9 @@ Many writer processes share one directory. None of them appends to a shared inde
 published by (temp file, fsync, rename, fsync dir) and only then gets its marker, written the same
 way. The manifest is the set of markers, so a crash at any point leaves only complete shards
 visible; a shard without a marker is an orphan and ignored. One shard's file names, tensor layout,
-streamed write and checked load live in ``features/shards.py``; callers ask this module, never build
-store paths themselves. No Ray in here.
+streamed write and checked load live in ``features/shards.py``, the reader in ``features/reader.py``,
+the rejects file in ``eagle3_ray/rejects.py``; callers ask these modules, never build store paths
+themselves. No Ray in here.
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import re
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Literal, Mapping, Sequence
+from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -47,21 +46,12 @@ from eagle3_ray.features.record import (
     to_torch_record,
     validate_record,
 )
-from eagle3_ray.features.shards import SHARDS_DIR  # noqa: F401 (preflight.py imports it from here)
-from eagle3_ray.features.shards import (
-    FORMAT_VERSION,
-    CorruptShard,
-    ShardInfo,
-    marker_files,
-    marker_path,
-    shard_intact,
-    shard_path,
-)
+from eagle3_ray.features.shards import FORMAT_VERSION, marker_files, marker_path, shard_intact, shard_path
+from eagle3_ray.rejects import REJECTS_FILE, append_rejects, rejected_ids
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "store_meta.json"
-REJECTS_FILE = "rejects.jsonl"
 DEFAULT_SHARD_MAX_BYTES = 256 * 2**20
 
 # Fields two runs must agree on to share a store; model_type and created_by are informational.
@@ -202,9 +192,6 @@ def create_store(root: str | Path, meta: StoreMeta) -> StoreMeta:
 # ---------------------------------------------------------------- manifest (completion markers)
 
 
-_marker_files = marker_files  # the name preflight.py imports
-
-
 def manifest(root: str | Path) -> list[dict[str, Any]]:
     """Every readable completion marker, in shard-name order; unreadable ones are logged and left
     out (their samples are then not complete and get redone)."""
@@ -289,46 +276,15 @@ def cleanup_orphans(root: str | Path) -> list[Path]:
     return removed
 
 
-# ---------------------------------------------------------------- rejects
+# ---------------------------------------------------------------- rejects (eagle3_ray/rejects.py)
 
 
 def append_reject(root: str | Path, sample_id: str, source: str, reason: str, stage: str) -> None:
-    """Quarantine one sample. One write() per line on an O_APPEND descriptor, so lines from
-    concurrent processes never interleave."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"sample_id": sample_id, "source": source, "reason": reason, "stage": stage},
-                      ensure_ascii=False) + "\n"
-    data = line.encode("utf-8")
-    fd = os.open(Path(root) / REJECTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """Quarantine one sample in the store's rejects file."""
     try:
-        written = os.write(fd, data)
+        append_rejects(root, [{"sample_id": sample_id, "source": source, "reason": reason, "stage": stage}])
     except OSError as e:
         raise _io_error(e, Path(root) / REJECTS_FILE) from e
-    finally:
-        os.close(fd)
-    if written != len(data):
-        raise StoreError(f"short write to {Path(root) / REJECTS_FILE} (disk full?); free space and rerun")
-
-
-def read_rejects(root: str | Path) -> list[dict[str, Any]]:
-    """All reject lines; a torn last line from a crash is skipped with a warning."""
-    path = Path(root) / REJECTS_FILE
-    if not path.is_file():
-        return []
-    out = []
-    # split at "\n" only: str.splitlines() would also split inside a record at U+2028 and the like
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            logger.warning("skipping unreadable line %d of %s", n, path)
-    return out
-
-
-def rejected_ids(root: str | Path) -> set[str]:
-    return {r["sample_id"] for r in read_rejects(root) if "sample_id" in r}
 
 
 # ---------------------------------------------------------------- writer
@@ -348,7 +304,8 @@ def _publish_shard(
 
 
 class FeatureStoreWriter:
-    """Buffers validated records and writes them as atomic shards of about ``shard_max_bytes``.
+    """Buffers validated records and writes them as atomic shards of about ``shard_max_bytes``
+    (``extract.shard_max_bytes``), or, with ``shard_max_bytes=None``, as one shard on ``close``.
 
     One writer per process (Ray Data actor); ``writer_id`` must be unique among the writers
     running on ``root`` at the same time. A writer restarted with an old id continues its
@@ -357,10 +314,10 @@ class FeatureStoreWriter:
     """
 
     def __init__(self, root: str | Path, meta: StoreMeta, writer_id: str,
-                 shard_max_bytes: int = DEFAULT_SHARD_MAX_BYTES, node: Mapping[str, str] | None = None):
+                 shard_max_bytes: int | None = DEFAULT_SHARD_MAX_BYTES, node: Mapping[str, str] | None = None):
         if not _WRITER_ID.match(writer_id):
             raise StoreError(f"writer_id {writer_id!r} must match {_WRITER_ID.pattern} (it names shard files)")
-        if shard_max_bytes < 1:
+        if shard_max_bytes is not None and shard_max_bytes < 1:
             raise ConfigError(f"extract.shard_max_bytes={shard_max_bytes} must be >= 1")
         self.root = Path(root)
         self.meta = create_store(self.root, meta)
@@ -389,7 +346,7 @@ class FeatureStoreWriter:
             rec = compact_record(rec)
         self._buffer.append(rec)
         self._buffer_bytes += record_num_tokens(rec) * self._bpt
-        if self._buffer_bytes >= self.shard_max_bytes:
+        if self.shard_max_bytes is not None and self._buffer_bytes >= self.shard_max_bytes:
             self.flush()
 
     def reject(self, sample_id: str, source: str, reason: str, stage: str) -> None:
@@ -440,110 +397,3 @@ class FeatureStoreWriter:
             self.close()
         else:  # buffered samples are not complete, so a resumed run redoes them
             self._buffer, self._closed = [], True
-
-
-# ---------------------------------------------------------------- reader
-
-
-class FeatureStore:
-    """Read-only view of the completed shards: a sized, indexable iterable of feature records.
-
-    Order is deterministic (shard name, then position in shard). A sample id that appears in
-    several shards (a duplicated extraction) is served once, first occurrence wins; the others are
-    listed in ``duplicate_ids``. ``store[i]`` reads only that sample's rows from the shard.
-    Hidden states come back in bf16 whatever the store's format (fp8 is dequantized on read), unless
-    read with ``read(i, as_stored=True)``.
-    """
-
-    _MAX_OPEN = 8  # open shard handles kept for random access
-
-    def __init__(self, root: Path, meta: StoreMeta, infos: list[ShardInfo], skipped: list[dict[str, str]]):
-        self.root = root
-        self.meta = meta
-        self.shards = infos
-        self.skipped_shards = skipped
-        seen: set[str] = set()
-        loc: list[tuple[int, int]] = []
-        self.duplicate_ids: list[str] = []
-        for k, s in enumerate(infos):
-            for j, sid in enumerate(s.sample_ids):
-                if sid in seen:
-                    self.duplicate_ids.append(sid)
-                    continue
-                seen.add(sid)
-                loc.append((k, j))
-        self._loc = np.array(loc, dtype=np.int64).reshape(-1, 2)  # [n, 2] (shard, row)
-        self.sample_ids = [infos[k].sample_ids[j] for k, j in loc]
-        shard_lengths = [np.diff(s.offsets) for s in infos]
-        self.lengths = np.array([shard_lengths[k][j] for k, j in loc], dtype=np.int64)  # [n] tokens
-        self.num_tokens = int(self.lengths.sum())
-        self._handles: OrderedDict[int, Any] = OrderedDict()
-        if self.duplicate_ids:
-            logger.warning("feature store %s: %d duplicated sample ids served once (first shard wins), "
-                           "e.g. %s", root, len(self.duplicate_ids), self.duplicate_ids[:3])
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def _handle(self, k: int) -> Any:
-        if k in self._handles:
-            self._handles.move_to_end(k)
-        else:
-            self._handles[k] = shards.open_shard(self.shards[k].path)
-            if len(self._handles) > self._MAX_OPEN:
-                self._handles.popitem(last=False)
-        return self._handles[k]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.read(i)
-
-    def read(self, i: int, as_stored: bool = False) -> dict[str, Any]:
-        """Sample ``i`` (``store[i]``); ``as_stored=True``: its hidden states as the shards hold
-        them (an fp8 store: float8_e4m3fn plus ``aux_hidden_scale`` / ``last_hidden_scale`` fp32
-        [T, B], see features/compact.py; a bf16 store: the same as ``store[i]``)."""
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample index {i} out of range for a store of {len(self)} samples")
-        k, j = (int(x) for x in self._loc[i])
-        start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
-        return shards.read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact,
-                                  as_stored=as_stored)
-
-    def close(self) -> None:
-        """Release the open shard files (reading again reopens them)."""
-        self._handles.clear()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # open file handles do not cross process boundaries; each process reopens lazily
-        state = self.__dict__.copy()
-        state["_handles"] = OrderedDict()
-        return state
-
-
-def open_store(root: str | Path, on_corrupt: Literal["abort", "skip"] = "abort", verify: bool = False) -> FeatureStore:
-    """Open the completed shards of a store. Every shard's header, tensor shapes, offsets and size
-    are checked; ``verify=True`` also checks each shard's sha256 (reads every byte). A corrupt shard
-    raises StoreError (``on_corrupt="abort"``) or is left out, logged and listed in
-    ``store.skipped_shards`` (``"skip"``)."""
-    if on_corrupt not in ("abort", "skip"):
-        raise ConfigError(f"extract.on_corrupt_shard={on_corrupt!r} must be 'abort' or 'skip'")
-    root = Path(root)
-    meta = read_meta(root)
-    infos, skipped = [], []
-    for m in marker_files(root):
-        try:
-            infos.append(shards.load_shard(m, meta.compact, meta.hidden_size, meta.aux_layers, verify))
-        except CorruptShard as e:
-            path = shard_path(m)
-            if on_corrupt == "abort":
-                raise StoreError(
-                    f"corrupt feature shard {path}: {e}. Delete {path.name} and {m.name}, then rerun "
-                    f"extraction with the same --out to regenerate its samples, or read with "
-                    f"extract.on_corrupt_shard=skip to leave them out"
-                ) from None
-            logger.warning("skipping corrupt feature shard %s: %s", path, e)
-            skipped.append({"path": str(path), "reason": str(e)})
-    return FeatureStore(root, meta, infos, skipped)

@@ -25,7 +25,7 @@ import torch
 
 from eagle3_ray.features import open_store
 from eagle3_ray.features.compact import FIELD_BLOCKS, dequantize_fp8_bits, scale_name
-from eagle3_ray.features.record import AUX_HIDDEN, LAST_HIDDEN, bf16_to_uint16, uint16_to_bf16
+from eagle3_ray.features.record import AUX_HIDDEN, LAST_HIDDEN, bf16_to_uint16, ragged, uint16_to_bf16
 from eagle3_ray.train.packing import Pack, collate
 
 HIDDEN_KEYS = (AUX_HIDDEN, LAST_HIDDEN)
@@ -33,21 +33,19 @@ PACKED_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_
 SCALE_KEYS = tuple(scale_name(k) for k in HIDDEN_KEYS)  # present in fp8 rows only
 
 
-def _ragged(arrays):
-    out = np.empty(len(arrays), dtype=object)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
+def packed_row(records: list[dict]) -> dict[str, np.ndarray]:
+    """Records -> one packed row (``collate``; bf16 as uint16, other tensors as they are)."""
+    packed = collate(records)
+    return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
 class LoadPackUDF:
     """Reads packs' samples from the store and emits packed rows (the module docstring's forms): an
-    fp8 store's rows carry its hidden states as stored, unless ``dequantize_on_host`` (the loader
-    then dequantizes on its CPU, as it did before; kept for benchmarks/ingest_compact.py)."""
+    fp8 store's rows carry its hidden states as stored."""
 
-    def __init__(self, store_root: str, on_corrupt: str = "abort", dequantize_on_host: bool = False):
+    def __init__(self, store_root: str, on_corrupt: str = "abort"):
         self.store = open_store(store_root, on_corrupt=on_corrupt)
-        self.as_stored = self.store.meta.compact == "fp8" and not dequantize_on_host
+        self.as_stored = self.store.meta.compact == "fp8"
 
     def _read(self, i: int) -> dict:
         if not self.as_stored:
@@ -62,13 +60,12 @@ class LoadPackUDF:
         cols: dict[str, list] = {k: [] for k in keys}
         for samples in batch["samples"]:
             records = [self._read(int(i)) for i in samples]
-            packed = collate(records)
+            row = packed_row(records)
             if self.as_stored:
-                packed.update({k: torch.cat([r[k] for r in records])[None] for k in SCALE_KEYS})
+                row.update({k: torch.cat([r[k] for r in records]).numpy() for k in SCALE_KEYS})
             for k in cols:
-                t = packed[k][0]
-                cols[k].append(bf16_to_uint16(t) if t.dtype == torch.bfloat16 else t.numpy())
-        return {"key": batch["key"], **{k: _ragged(v) for k, v in cols.items()}}
+                cols[k].append(row[k])
+        return {"key": batch["key"], **{k: ragged(v) for k, v in cols.items()}}
 
 
 def pack_rows(packs: list[Pack]) -> list[dict]:

@@ -24,6 +24,7 @@ from eagle3_ray.config import TrainConfig
 from eagle3_ray.data.vocab import load_vocab_map
 from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
 from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
@@ -31,15 +32,13 @@ from eagle3_ray.train import checkpoint as ck
 from eagle3_ray.train.data import row_to_batch
 from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
 from eagle3_ray.train.schedule import warmup_cosine
-from eagle3_ray.train.step import (  # noqa: F401 (importable from here)
-    StepConfig, TrainStep, resolve_attention, resolve_loss_kernel,
-)
+from eagle3_ray.train.step import ADAMW_BETAS, ADAMW_EPS, StepConfig, TrainStep, resolve_attention
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainJob:
-    """Everything a worker needs; built by the driver (trainer.py), handed to the workers as it is
-    (pickled by Ray: the config section stays a `TrainConfig`)."""
+    """Everything a worker needs; built once by the driver (trainer.py: train_job), handed to the
+    workers as it is (pickled by Ray: the config section stays a `TrainConfig`)."""
 
     train: TrainConfig
     drafter_config: DrafterConfig
@@ -47,26 +46,27 @@ class TrainJob:
     vocab_path: str
     out_dir: str  # metrics.jsonl goes here
     total_steps: int  # optimizer steps the plan allows (LR schedule length)
-    identity: dict[str, Any] = field(default_factory=dict)  # must match to resume a checkpoint
-    use_gpu: bool = False
-    run: str = ""  # config `name`: the `run` tag of the dashboard metrics
-    storage: str | None = None  # Ray Train's storage: searched for a newer checkpoint at every restore (Trainer.restore)
+    identity: dict[str, Any]  # must match to resume a checkpoint
+    use_gpu: bool
+    run: str  # config `name`: the `run` tag of the dashboard metrics
+    storage: str  # Ray Train's storage: searched for a newer checkpoint at every restore (Trainer.restore)
     val_packs: int = 0  # held-out packs in all (train.val_share), 0 = no evaluation
     val_datasets: list[str] = field(default_factory=list)  # "val_<rank>" of the ranks with held-out packs
     val_pack_groups: dict[str, str] = field(default_factory=dict)  # held-out pack key -> its train.val_groups name
 
 
-def _ds_config(t: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
+def _ds_config(t: TrainConfig, use_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config of the drafter's training (the optimizer: step.py's AdamW settings)."""
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": t["grad_accum"],
-        "gradient_clipping": t["grad_clip"],
-        "zero_optimization": {"stage": t["zero_stage"]},
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": use_gpu},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": t["lr"], "betas": [0.9, 0.95], "eps": 1e-8,
-                       "weight_decay": t["weight_decay"], "torch_adam": True,
+            "params": {"lr": t.lr, "betas": list(ADAMW_BETAS), "eps": ADAMW_EPS,
+                       "weight_decay": t.weight_decay, "torch_adam": True,
                        # torch's fused AdamW on CUDA: one kernel over the flat fp32 partition, not a
                        # chain of foreach kernels, each a pass over the optimizer state.
                        "fused": use_gpu},
@@ -206,7 +206,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter,
             model_parameters=[p for p in drafter.parameters() if p.requires_grad],
-            config=_ds_config(t.model_dump(), job.use_gpu),
+            config=_ds_config(t, job.use_gpu),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         # Rows reach the step already laid out by the prefetch thread (row_to_batch): no row_tokens here.

@@ -22,7 +22,6 @@ from typing import Iterable, Protocol
 
 import torch
 
-from eagle3_ray.drafter.soft_ce import resolve_loss_kernel  # noqa: F401 (train.loss_kernel's rule, importable here)
 from eagle3_ray.drafter.ttt import WALK_STEPS, TTTOutput, held_out_metrics, held_out_sums, ttt_forward
 from eagle3_ray.errors import ConfigError
 

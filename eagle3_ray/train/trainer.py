@@ -13,7 +13,9 @@ import json
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
@@ -21,24 +23,24 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.groups import sample_groups
-from eagle3_ray.data.vocab import data_fingerprint, load_vocab_map, vocab_fingerprint
+from eagle3_ray.data.groups import base_id, sample_groups
+from eagle3_ray.data.vocab import VOCAB_FILE, data_fingerprint, load_vocab_map, vocab_fingerprint
 from eagle3_ray.drafter.model import DrafterConfig
+from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
 from eagle3_ray.engines.describe import describe_target, target_hf_config
 from eagle3_ray.engines.heads import save_target_heads
-from eagle3_ray.extract.generate_stage import base_id
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
 from eagle3_ray.features import open_store
 from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
 from eagle3_ray.ray_session import check_shared_dirs
-from eagle3_ray.train.checkpoint import check_identity, latest_checkpoint, read_train_state, write_json
+from eagle3_ray.train.checkpoint import (
+    TRAIN_STORAGE, check_identity, latest_checkpoint, read_train_state, write_json,
+)
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
-from eagle3_ray.train.packing import holdout_groups, padding_efficiency, plan, plan_held_out, remap
-from eagle3_ray.train.step import resolve_attention, resolve_loss_kernel
-
-VOCAB_FILE = "vocab_map.safetensors"
+from eagle3_ray.train.packing import Pack, holdout_groups, padding_efficiency, plan, plan_held_out, remap
+from eagle3_ray.train.step import resolve_attention
 
 
 def _vocab_file(vocab: str | Path) -> Path:
@@ -53,14 +55,30 @@ def _short_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _use_gpu(cfg: PipelineConfig) -> bool:
+def trains_on_gpu(cfg: PipelineConfig) -> bool:
+    """``train.use_gpu``, or when unset whether the Ray cluster has GPUs."""
     if cfg.train.use_gpu is not None:
         return cfg.train.use_gpu
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+@dataclass(frozen=True)
+class TrainPlan:
+    """The driver's plan of a training run: what its workers' ``TrainJob`` holds (``train_job``) apart
+    from how they run, and the packs to train on and to evaluate."""
+
+    drafter_config: DrafterConfig
+    heads_path: str
+    vocab_path: str
+    total_steps: int  # optimizer steps the plan allows (LR schedule length)
+    identity: dict[str, Any]  # must match to resume a checkpoint
+    packs: list[Pack]
+    val_packs: list[Pack] = field(default_factory=list)  # held out (train.val_share, train.eval_only)
+    val_pack_groups: dict[str, str] = field(default_factory=dict)  # held-out pack key -> its train.val_groups name
+
+
 def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: Path):
-    """Checks + plan, no Ray: returns (TrainJob, packs, store, held-out packs)."""
+    """Checks + plan, no Ray: returns (TrainPlan, the feature store)."""
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     if len(store) == 0:
         raise StoreError(f"feature store {features} is empty; run `eagle3-ray extract` first")
@@ -98,20 +116,21 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     data_fp = data_fingerprint(store.sample_ids, store.lengths)
     if only.any():
         _check_vocab_left_out(vocab, data_fp, info.fingerprint, int(only.sum()), t, features)
-    job, packs = build_job(cfg, store.lengths, data_fp, vocab, out, info, keep=keep)
+    identity = {}
     if t.val_share and n_prompts < len(rest):  # the split differs from the per-sample one of earlier code
-        job.identity["val_split"] = "by_prompt"
+        identity["val_split"] = "by_prompt"
     if t.eval_only:  # which samples are trained on depends on them
-        job.identity["eval_only"] = {g: t.val_groups[g] for g in t.eval_only}
-    val_packs, job.val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens, t.seed)
-    job.val_packs = len(val_packs)
+        identity["eval_only"] = {g: t.val_groups[g] for g in t.eval_only}
+    val_packs, val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens, t.seed)
+    train_plan = plan_run(cfg, store.lengths, data_fp, vocab, out, info, keep=keep, identity=identity,
+                          val_packs=val_packs, val_pack_groups=val_pack_groups)
     if val_packs:
         named = Counter(groups[i] for i in held if groups[i] is not None)
         say(f"[train] {len(held)} samples ({int(store.lengths[held].sum()):,} tokens) held out of training: "
             f"{len(val_packs)} packs evaluated every {t.eval_every} steps"
             + ("; by group: " + ", ".join(f"{g} {n}" + (" (eval only)" if g in t.eval_only else "")
                                           for g, n in sorted(named.items())) if named else ""))
-    return job, packs, store, val_packs
+    return train_plan, store
 
 
 def _check_vocab_left_out(vocab: str | Path, data_fp: str, target_fp: str, n_only: int, t, features) -> None:
@@ -131,10 +150,13 @@ def _check_vocab_left_out(vocab: str | Path, data_fp: str, target_fp: str, n_onl
         )
 
 
-def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info, keep=None):
+def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info, keep=None,
+             identity: dict[str, Any] | None = None, val_packs: list[Pack] | None = None,
+             val_pack_groups: dict[str, str] | None = None) -> TrainPlan:
     """Vocab checks, drafter shape, frozen heads, pack plan and run identity for samples of `lengths`
     (int [N]); shared by offline training (store) and online training (prepared data). `keep`: the
-    sample indices to train on (default all; the rest are held out)."""
+    sample indices to train on (default all; the rest are held out, in `val_packs`); `identity`: what
+    else a resumed checkpoint must match."""
     vocab_path = _vocab_file(vocab)
     d2t, t2d, vmeta = load_vocab_map(vocab_path)
     if vmeta.get("target_fingerprint") not in (None, info.fingerprint):
@@ -157,7 +179,7 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
     total = max(1, len(packs) // per_step)
     if t.max_steps:
         total = min(total, t.max_steps)
-    identity = {
+    run_identity = {
         "drafter": drafter_cfg.to_dict(),
         "data": data_fp,
         "vocab": _short_hash(d2t.tolist()),
@@ -165,12 +187,7 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
         "num_workers": t.num_workers, "grad_accum": t.grad_accum, "zero_stage": t.zero_stage,
     }
     if t.val_share:  # the training packs depend on it (absent when 0: older checkpoints still match)
-        identity["val_share"] = t.val_share
-    job = TrainJob(
-        train=t, drafter_config=drafter_cfg, heads_path=str(heads.resolve()),
-        vocab_path=str(vocab_path.resolve()), out_dir=str(out.resolve()), total_steps=total,
-        identity=identity,
-    )
+        run_identity["val_share"] = t.val_share
     n_train = len(lengths) if keep is None else len(keep)
     say(
         f"[train] {n_train} samples, {sum(p.tokens for p in packs if p.epoch == 0):,} tokens -> {len(packs)} packs over {t.epochs} "
@@ -178,28 +195,39 @@ def build_job(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out
         f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}"
     )
-    return job, packs
+    return TrainPlan(drafter_config=drafter_cfg, heads_path=str(heads.resolve()), vocab_path=str(vocab_path.resolve()),
+                     total_steps=total, identity={**run_identity, **(identity or {})}, packs=packs,
+                     val_packs=val_packs or [], val_pack_groups=val_pack_groups or {})
+
+
+def train_job(cfg: PipelineConfig, train_plan: TrainPlan, out: Path, use_gpu: bool, storage: Path,
+              val_datasets=()) -> TrainJob:
+    """The workers' TrainJob of ``train_plan``: on the GPU or not, checkpoints in ``storage``, the
+    held-out datasets of the ranks that have some (``val_datasets``: their names)."""
+    p = train_plan
+    return TrainJob(train=cfg.train, drafter_config=p.drafter_config, heads_path=p.heads_path,
+                    vocab_path=p.vocab_path, out_dir=str(out.resolve()), total_steps=p.total_steps,
+                    identity=p.identity, use_gpu=use_gpu, run=cfg.name, storage=str(storage),
+                    val_packs=len(p.val_packs), val_datasets=sorted(val_datasets), val_pack_groups=p.val_pack_groups)
 
 
 def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, out: str | Path) -> Path:
     """Train; returns the directory of the final checkpoint."""
     t0 = time.monotonic()
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out)
-    job, packs, _, val_packs = plan_training(cfg, features, vocab, out)
+    train_plan, _ = plan_training(cfg, features, vocab, out)
     root = str(Path(features).resolve())
-    dataset = build_train_dataset(packs, root, cfg.extract.on_corrupt_shard,
+    dataset = build_train_dataset(train_plan.packs, root, cfg.extract.on_corrupt_shard,
                                   loaders=cfg.train.pack_loaders * cfg.train.num_workers)
     # Held-out packs, dealt to the ranks here: Ray Train's split is equal-sized and would drop the
     # packs that do not divide evenly. Each rank reads only its own "val_<rank>" (unsplit); its loader
     # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs.
-    workers = cfg.train.num_workers
+    workers, val_packs = cfg.train.num_workers, train_plan.val_packs
     val = {f"val_{r}": build_train_dataset(val_packs[r::workers], root, cfg.extract.on_corrupt_shard, loaders=1,
                                            num_cpus=0)
            for r in range(workers) if val_packs[r::workers]}
-    job.val_datasets = sorted(val)
-    return fit(cfg, job, dataset, out, t0, val_datasets=val)
+    return fit(cfg, train_plan, dataset, out, t0, trains_on_gpu(cfg), val_datasets=val)
 
 
 def fit_off_main_thread(trainer):
@@ -225,24 +253,23 @@ def fit_off_main_thread(trainer):
     return outcome["result"]
 
 
-def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=None, val_datasets=None) -> Path:
+def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: float, use_gpu: bool,
+        dataset_config=None, val_datasets=None) -> Path:
     """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
     checkpoint of the same run; returns the final checkpoint directory. `val_datasets`: held-out
     packs per rank ("val_<rank>", not split), evaluated every `train.eval_every` steps."""
-    job.use_gpu = _use_gpu(cfg)
-    job.run = cfg.name
     # Refuse an impossible attention setting here, not after the workers have started.
-    resolve_attention(cfg.train.attention, "cuda" if job.use_gpu else "cpu", job.drafter_config.head_dim)
-    if not job.use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
+    resolve_attention(cfg.train.attention, "cuda" if use_gpu else "cpu", train_plan.drafter_config.head_dim)
+    if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
-    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / "ray_train"
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / TRAIN_STORAGE
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
-        check_identity(read_train_state(previous).get("identity", {}), job.identity, previous)
+        check_identity(read_train_state(previous).get("identity", {}), train_plan.identity, previous)
         say(f"[train] resuming from {previous}")
     # Every (re)start of the workers resumes from the newer of Ray Train's checkpoint and the newest
     # complete one here (Trainer.restore): one Ray Train has not registered yet is still taken.
-    job.storage = str(storage)
+    job = train_job(cfg, train_plan, out, use_gpu, storage, val_datasets or {})
     # Every worker writes its checkpoint shards to storage and reads the heads under out: refuse a
     # directory that a node of the cluster does not see, before any worker starts.
     check_shared_dirs({storage: "ray.storage_path (Ray Train's checkpoints)", out: "--out"})
@@ -251,8 +278,8 @@ def fit(cfg: PipelineConfig, job, dataset, out: Path, t0: float, dataset_config=
         train_loop_config={"job": job},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers,
-            use_gpu=job.use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if job.use_gpu else {})},
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
         ),
         run_config=ray.train.RunConfig(
             name=f"{cfg.name}-train",

@@ -1,0 +1,192 @@
+"""CPU smoke tests of every benchmark script (benchmarks/, benchmarks/device/): each is listed in
+benchmarks/README.md; each Python script answers --help (or, with no command line, imports); each
+shell script parses (bash -n); each override file loads with the preset it is run with; and the
+scripts that have a run of a few seconds on a CPU do that run, through the product's own entry
+points (TrainStep, spec.generate, BenchActor, the pack loader, the capture writer). None starts Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+README = (BENCH / "README.md").read_text()
+
+PY = sorted([*BENCH.glob("*.py"), *(BENCH / "device").glob("*.py")])
+SH = sorted([*BENCH.glob("*.sh"), *(BENCH / "device").glob("*.sh")])
+OVERRIDES = sorted((BENCH / "device").glob("*_extra.txt"))
+SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for p in (BENCH / "device").iterdir() if p.is_file()]])
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(BENCH))
+
+
+def _env() -> dict[str, str]:
+    # one thread per process: tiny ops on a shared 2-core machine (tests/conftest.py, one_torch_thread)
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _run(args: list[str], cwd: Path = ROOT, timeout: int = 240) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{args[0]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+# ------------------------------------------------------------------ listed in benchmarks/README.md
+
+@pytest.mark.parametrize("path", sorted(set(SCRIPTS)), ids=_id)
+def test_every_benchmark_file_is_listed_in_the_readme(path):
+    rel = path.relative_to(ROOT)
+    assert f"`{rel}`" in README, f"{rel} is not in benchmarks/README.md: list it (what, command, machine) or delete it"
+
+
+def test_the_readme_lists_only_files_that_exist():
+    listed = set(re.findall(r"`(benchmarks/[\w./-]+\.(?:py|sh|txt))`", README))
+    assert listed and sorted(p for p in listed if not (ROOT / p).exists()) == []
+
+
+# ------------------------------------------------------------------ --help, import, bash -n
+
+HELP_DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for path in sys.argv[2:]:
+    cli = "__name__ == \"__main__\"" in open(path).read()
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [path, "--help"]
+    sys.path.insert(0, os.path.dirname(path))
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(path, run_name="__main__" if cli else "smoke_import")
+        code = "returned" if cli else 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        code = "raised"
+        out.write(traceback.format_exc())
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+    text = out.getvalue()
+    results[path] = {"cli": cli, "code": code, "out": text[:1500] + "\n...\n" + text[-2500:]}
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def helped(tmp_path_factory):
+    """Every script's --help (or import) in one process: torch is imported once, not per script."""
+    out = tmp_path_factory.mktemp("help") / "help.json"
+    _run(["-c", HELP_DRIVER, str(out), *map(str, PY)], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("path", PY, ids=_id)
+def test_python_script_answers_help_or_imports(path, helped):
+    got = helped[str(path)]
+    assert got["code"] == 0, got["out"]
+    if got["cli"]:
+        assert "usage:" in got["out"], got["out"]
+
+
+@pytest.mark.parametrize("path", SH, ids=_id)
+def test_shell_script_parses(path):
+    done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("path", OVERRIDES, ids=_id)
+def test_override_file_loads_with_the_preset(path):
+    """product_h200.sh passes EXTRA="$(cat <file>)" unquoted to `eagle3-ray run -c configs/smollm2-h200.yaml`."""
+    from eagle3_ray.config import load_config
+
+    words = path.read_text().split()
+    cfg = load_config(ROOT / "configs" / "smollm2-h200.yaml", words)
+    assert cfg.bench.untrained is False and words
+
+
+# ------------------------------------------------------------------ tiny CPU runs
+
+def test_train_step_tiny_cpu_run(tmp_path):
+    out = tmp_path / "step.json"
+    _run(["benchmarks/train_step.py", "--preset", "smollm2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+          "--head-dim", "16", "--intermediate", "128", "--vocab", "512", "--draft-vocab", "256", "--seq", "64",
+          "--ttt-steps", "2", "--steps", "1", "--warmup", "1", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert got["best_mode"] and got["tokens_per_s"]
+
+
+def test_spec_decode_tiny_cpu_run(tmp_path):
+    out = tmp_path / "spec.json"
+    _run(["benchmarks/spec_decode.py", "--target", "random:builtin:tiny-llama", "--num-prompts", "1",
+          "--max-new-tokens", "4", "--topk", "2", "--depth", "2", "--total-tokens", "4", "--json", str(out)])
+    text = out.read_text()
+    assert "chain" in text and "tree" in text
+
+
+def test_spec_h200_tiny_cpu_run(tmp_path):
+    """The BenchActor path of benchmarks/device/spec_h200.py (its --tiny mode: a random tiny Llama)."""
+    _run(["benchmarks/device/spec_h200.py", "--tiny", "--out", str(tmp_path), "--max-prompts", "1",
+          "--max-new-tokens", "4"])
+    got = json.loads((tmp_path / "spec_h200.json").read_text())
+    assert got["summary"]["bf16_unexplained_divergences"] == 0
+
+
+def test_ingest_compact_tiny_cpu_run(tmp_path):
+    out = tmp_path / "ingest.json"
+    _run(["benchmarks/ingest_compact.py", "--hidden", "64", "--vocab", "256", "--pack-tokens", "256", "--packs", "2",
+          "--min-len", "16", "--max-len", "64", "--row-tokens", "128", "--repeats", "1", "--work", str(tmp_path / "w"),
+          "--out", str(out)])
+    assert json.loads(out.read_text())
+
+
+def test_capture_writer_gil_tiny_cpu_run(tmp_path):
+    out = tmp_path / "gil.json"
+    (tmp_path / "cap").mkdir()
+    _run(["benchmarks/capture_writer_gil.py", "--dir", str(tmp_path / "cap"), "--requests", "2", "--rows", "8",
+          "--hidden", "16", "--batches", "2", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())
+
+
+def test_train_prompts_holds_out_the_evaluation_sets(tmp_path):
+    """benchmarks/train_prompts.py on a tiny copy of ../shared/data's layout: a training prompt that is
+    also an evaluation prompt is dropped; --eval-only-mt-bench appends MT-bench as mtbench-<id>."""
+    sys.path.insert(0, str(BENCH))
+    import train_prompts
+
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def write(name, rows):
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("gsm8k_train.jsonl", [{"question": "What is 2 + 2?"}, {"question": "What is 3 + 5?"}])
+    write("alpaca_eval_prompts.jsonl", [{"id": 1, "instruction": "Write a haiku."}])
+    write("arena_hard_v0.1.jsonl", [{"uid": "a", "prompt": "Name a prime."}])
+    write("arena_hard_v2.0.jsonl", [])
+    write("sharegpt500_prompts.jsonl", [{"id": "s1", "conversations": [{"role": "user", "content": "Hi there"}]}])
+    write("oasst_prompt_lottery_en_250.jsonl", ["Tell me a joke."])
+    write("oasst_en100_chat.jsonl", [])
+    write("alpaca_seed_chat.jsonl", [])
+    write("mt_bench.jsonl", [{"question_id": 81, "turns": ["Write a haiku.", "Shorter."]}])
+    write("spec_bench.jsonl", [])
+    write("gsm8k_test.jsonl", [{"question": "What is 3 + 5?"}])
+    write("humaneval.jsonl", [])
+    out = tmp_path / "prompts.jsonl"
+    assert train_prompts.main(["--data", str(data), "--out", str(out), "--eval-only-mt-bench"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = {r["turns"][0] for r in rows if not r["id"].startswith("mtbench-")}
+    assert prompts == {"What is 2 + 2?", "Name a prime.", "Hi there", "Tell me a joke."}
+    assert [r for r in rows if r["id"].startswith("mtbench-")] == \
+        [{"id": "mtbench-81", "turns": ["Write a haiku.", "Shorter."]}]
