@@ -90,13 +90,14 @@ def build_drafter(target: str, vocab: Path, store_meta, seed: int, work: Path):
     from eagle3_ray.config import TargetConfig
     from eagle3_ray.data.vocab import load_vocab_map
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3_ray.engines.describe import target_hf_config
+    from eagle3_ray.engines.describe import describe
     from eagle3_ray.engines.heads import load_target_heads, save_target_heads
 
-    embed, lm_head = load_target_heads(save_target_heads(TargetConfig(model=target), work))
+    target_cfg = TargetConfig(model=target)
+    described = describe(target_cfg)  # any target.model, built-in ones too
+    embed, lm_head = load_target_heads(save_target_heads(target_cfg, described.resolved, work))
     d2t, t2d, _ = load_vocab_map(vocab)
-    hf_config = target_hf_config(TargetConfig(model=target))  # any target.model, built-in ones too
-    cfg = DrafterConfig.from_target(hf_config, len(d2t), store_meta.aux_layers)
+    cfg = DrafterConfig.from_target(described.hf_config, len(d2t), store_meta.aux_layers)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg)
     drafter.bind_embedding(embed.float())

@@ -117,9 +117,8 @@ def write_store(cfg, info, root: Path, samples: int, seq: int, draft_vocab: int)
     import numpy as np
     import torch
 
-    from eagle3_ray.data.vocab import save_vocab_map
+    from eagle3_ray.data.vocab import VOCAB_FILE, save_vocab_map
     from eagle3_ray.features.store import FeatureStoreWriter, StoreMeta
-    from eagle3_ray.train.trainer import VOCAB_FILE
 
     store = root / "store"
     g = torch.Generator().manual_seed(0)

@@ -8,6 +8,11 @@
     python benchmarks/train_step.py --preset kimi-k2.5 --engine deepspeed --zero-stage 2 --peak-tflops 785
     # small and quick on a CPU
     python benchmarks/train_step.py --preset smollm2 --seq 512 --steps 3
+    # the long-sample wall (issue 49): one sample per step, 2K, 4K, 8K, ... tokens until CUDA runs out of
+    # memory (recorded, then the sweep stops); then the same with the memory options on
+    python benchmarks/train_step.py --preset llama3-8b --peak-tflops 785 --sweep --steps 3 --json $OUT/wall_8b.json
+    python benchmarks/train_step.py --preset llama3-8b --peak-tflops 785 --sweep --steps 3 \
+        --loss-chunk-tokens 4096 --recompute-ttt-steps --json $OUT/wall_8b_options.json
 
 One step = `train.step.TrainStep` (the training loop's step: `ttt_forward`, backward, gradient
 clipping, AdamW) on random features of one packed sequence, over one of two engines:
@@ -16,12 +21,22 @@ with the training loop's `_ds_config`: bf16 with fp32 master weights, the given 
 in this process). `--sync-check` counts the host synchronisations of one step (CUDA's sync debug
 mode). Model FLOPs per step (counted, not measured):
 3x the drafter's forward matmuls per TTT step (forward + backward), attention scores over the
-causal prefix plus the TTT diagonal, and 1x the no-grad target-logit matmuls.
+causal prefix plus the TTT diagonal, and 1x the no-grad target-logit matmuls. Attention counts QK^T
+and PV, 2 x 2 x heads x head_dim FLOPs per (query, key) pair, for T/2 keys per query (the causal
+prefix of one T-token sample; a pack of several samples has fewer) plus step k's k diagonal keys, 3x
+for forward + backward. What the memory options recompute (--loss-chunk-tokens: one more lm_head
+forward; --recompute-ttt-steps: one more drafter forward per step) is not counted: model FLOPs, so
+the MFU shows what recomputation costs.
+
+--sweep / --lengths time one sample of each length per step (the pack a longer sample makes alone,
+train/packing.py): per length tokens/s, MFU, peak memory (torch.cuda.max_memory_allocated, and the
+reserved peak), or the out-of-memory error, after which longer lengths are not tried.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -53,7 +68,8 @@ def step_flops(a, seq: int) -> float:
 def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) -> dict:
     """Each (attention, loss kernel) of ``modes`` against sdpa with the torch loss on one packed row of
     3 samples + padding: loss and every gradient must agree (relative differences of the gradients'
-    norms). Keys name a mode ``attention/kernel``."""
+    norms). Keys name a mode ``attention/kernel``. With the memory options on, each mode runs with them
+    (loss chunks of at most 512 tokens, so that the 1900-token row is chunked), the reference without."""
     from eagle3_ray.drafter.ttt import ttt_forward
 
     g = torch.Generator().manual_seed(1)
@@ -71,11 +87,18 @@ def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) 
     batch = {k: v.to(dev) for k, v in batch.items()}
     res = {}
     ref = "sdpa/torch"
-    for attention, kernel in [("sdpa", "torch"), *[m for m in modes if m != ("sdpa", "torch")]]:
+    options = _memory_options(a)
+    if options["loss_chunk_tokens"]:
+        options["loss_chunk_tokens"] = min(options["loss_chunk_tokens"], 512)
+    plain = {"loss_chunk_tokens": 0, "recompute_steps": False}
+    on = options != plain
+    for attention, kernel in [("sdpa", "torch"), *[m for m in modes if on or m != ("sdpa", "torch")]]:
         drafter.zero_grad(set_to_none=True)
-        out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, loss_kernel=kernel)
+        mode = f"{attention}/{kernel}" + ("+options" if on and len(res) else "")
+        out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, loss_kernel=kernel,
+                          **(options if len(res) else plain))
         out.loss.backward()
-        res[f"{attention}/{kernel}"] = (out.loss.item(), {n: p.grad.float().clone()
+        res[mode] = (out.loss.item(), {n: p.grad.float().clone()
                                                           for n, p in drafter.named_parameters() if p.grad is not None})
     drafter.zero_grad(set_to_none=True)
     check = {f"loss_{ref}": res[ref][0]}
@@ -85,6 +108,23 @@ def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) 
         rel = {n: ((res[m][1][n] - g0).norm() / g0.norm().clamp(min=1e-12)).item() for n, g0 in res[ref][1].items()}
         check.update({f"loss_{m}": res[m][0], f"grad_rel_diff_max_{m}": max(rel.values()), f"grad_rel_diff_{m}": rel})
     return check
+
+
+def _memory_options(a) -> dict:
+    """`ttt_forward`'s long-sample options from the command line (train.loss_chunk_tokens, train.recompute_ttt_steps)."""
+    return {"loss_chunk_tokens": a.loss_chunk_tokens, "recompute_steps": a.recompute_ttt_steps}
+
+
+def sweep_lengths(a) -> list[int]:
+    """--lengths as given, or --sweep: --seq, then doubling up to --max-length."""
+    if a.lengths:
+        return [int(x) for x in a.lengths.split(",")]
+    if not a.sweep:
+        return []
+    out = [a.seq]
+    while out[-1] * 2 <= a.max_length:
+        out.append(out[-1] * 2)
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,6 +160,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed steps, the N device kernels taking the most time over one step "
                          "(torch.profiler), with their share of the step's kernel time")
+    ap.add_argument("--sweep", action="store_true",
+                    help="one sample per step at --seq, then twice as long, ... up to --max-length, until the "
+                         "device runs out of memory (recorded; longer lengths are not tried)")
+    ap.add_argument("--max-length", type=int, default=262144, help="--sweep: the longest sample tried")
+    ap.add_argument("--lengths", help="comma-separated sample lengths to sweep instead of --sweep's doubling")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
+                    help="train.loss_chunk_tokens: logits and soft cross-entropy in checkpointed chunks of at most "
+                         "this many tokens (0 = off)")
+    ap.add_argument("--recompute-ttt-steps", action="store_true",
+                    help="train.recompute_ttt_steps: recompute each TTT step's activations in the backward")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
@@ -138,7 +188,8 @@ def build_drafter(a, dev: torch.device, dtype: torch.dtype):
     cfg = DrafterConfig(
         hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
         intermediate_size=a.intermediate, vocab_size=a.vocab, draft_vocab_size=a.draft_vocab,
-        target_hidden_size=a.hidden, aux_layers=[2, 16, 29], max_position_embeddings=max(4096, a.seq + 16),
+        target_hidden_size=a.hidden, aux_layers=[2, 16, 29],
+        max_position_embeddings=max(4096, a.seq + 16, *(n + 16 for n in sweep_lengths(a))),
     )
     torch.manual_seed(0)
     with torch.device(dev):
@@ -266,14 +317,19 @@ def main(argv=None) -> int:
         drafter.norm = torch.compile(drafter.norm, dynamic=True)
     engine = make_engine(a, drafter, dev)
     seq = a.seq
-    packed = {
-        "input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
-        "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
-        "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
-        "loss_mask": torch.ones(1, seq, dtype=torch.bool, device=dev),
-        "position_ids": torch.arange(seq, device=dev)[None],
-        "seq_ids": torch.zeros(1, seq, dtype=torch.long, device=dev),
-    }
+
+    def one_sample(seq: int) -> dict:
+        return {
+            "input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
+            "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
+            "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
+            "loss_mask": torch.ones(1, seq, dtype=torch.bool, device=dev),
+            "position_ids": torch.arange(seq, device=dev)[None],
+            "seq_ids": torch.zeros(1, seq, dtype=torch.long, device=dev),
+        }
+
+    lengths = sweep_lengths(a)
+    packed = None if lengths else one_sample(seq)
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     flops = step_flops(a, seq)
@@ -286,8 +342,11 @@ def main(argv=None) -> int:
         print(f"check against sdpa: {json.dumps({k: v for k, v in check.items() if not isinstance(v, dict)})}",
               flush=True)
 
-    def time_mode(attention: str, kernel: str) -> dict:
-        step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention, loss_kernel=kernel))
+    def time_mode(attention: str, kernel: str, packed: dict) -> dict:
+        seq = packed["input_ids"].shape[1]
+        flops = step_flops(a, seq)
+        step = TrainStep(engine, lm_head, StepConfig(ttt_steps=a.ttt_steps, attention=attention, loss_kernel=kernel,
+                                                     **_memory_options(a)))
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)  # each mode's own peak
         batch = dict(packed)
@@ -313,6 +372,7 @@ def main(argv=None) -> int:
             "mfu": (flops / seconds / 1e12) / a.peak_tflops if a.peak_tflops else None,
             # everything the step holds: weights, optimizer state (and master weights), activations
             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None,
             "host_syncs_per_step": syncs,
             "host_sync_sites": sync_sites,
             "breakdown_seconds": parts,
@@ -320,7 +380,7 @@ def main(argv=None) -> int:
         }
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
-        print(f"[{a.engine} {attention} {kernel}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
+        print(f"[{a.engine} {attention} {kernel} T={seq}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
               + (f" (at {', '.join(sync_sites)})" if sync_sites else "")
               + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
@@ -328,13 +388,69 @@ def main(argv=None) -> int:
             print(f"  {k['share']:6.1%} {k['ms']:8.2f} ms x{k['calls']:<4} {k['name'][:110]}", flush=True)
         return r
 
+    if lengths:
+        curves = {}
+        for m in attentions:
+            for k in kernels:
+                curve = curves[m if len(kernels) == 1 else f"{m}/{k}"] = []
+                for n in lengths:
+                    curve.append(_sweep_point(functools.partial(time_mode, m, k), one_sample, n, engine, dev))
+                    _write(a.json, _sweep_result(a, dev, curves, check))  # partial results survive a timeout
+                    if curve[-1].get("oom"):
+                        break
+        print(json.dumps(_sweep_result(a, dev, curves, check), indent=2))
+        return 0
+
     modes: dict[str, dict] = {}  # by attention, or attention/kernel when more than one loss kernel is timed
     for m in attentions:
         for k in kernels:
-            modes[m if len(kernels) == 1 else f"{m}/{k}"] = time_mode(m, k) | {"loss_kernel": k}
+            modes[m if len(kernels) == 1 else f"{m}/{k}"] = time_mode(m, k, packed) | {"loss_kernel": k}
         _write(a.json, _result(a, dev, flops, modes, check))  # partial results survive a timeout
     print(json.dumps(_result(a, dev, flops, modes, check), indent=2))
     return 0
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _sweep_point(run, make_batch, seq: int, engine, dev) -> dict:
+    """One length of a sweep: `run(make_batch(seq))`'s figures, or the out-of-memory error (the
+    gradients and cached blocks it left freed, so that the next mode starts clean)."""
+    import gc
+
+    try:
+        return {"length": seq, "oom": False, **run(make_batch(seq))}
+    except Exception as e:  # only an out-of-memory error is recorded
+        if not _is_oom(e):
+            raise
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    engine.module.zero_grad(set_to_none=True)
+    gc.collect()
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"T={seq}: out of memory ({error}); longer samples are not tried", flush=True)
+    return {"length": seq, "oom": True, "error": error, "peak_memory_gib": peak}
+
+
+def _sweep_result(a, dev, curves: dict[str, list[dict]], check: dict | None) -> dict:
+    longest = {m: max((p["length"] for p in c if not p["oom"]), default=None) for m, c in curves.items()}
+    return {
+        "shape": {k: getattr(a, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                                             "draft_vocab", "ttt_steps")},
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "dtype": a.dtype,
+        "engine": a.engine,
+        "peak_tflops": a.peak_tflops,
+        "memory_options": _memory_options(a),
+        "flops_counted": "model FLOPs (module docstring): 3x forward matmuls per TTT step, attention QK^T and PV "
+                         "over T/2 causal keys + the step's diagonal keys, 3x; recomputation not counted",
+        "sweep": curves,  # per mode: one point per length, in order, up to the first out-of-memory one
+        "longest_trained": longest,
+        "check": check,
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
 
 
 def _write(path: str | None, result: dict) -> None:

@@ -184,6 +184,17 @@ class TrainConfig(_Section):
         "kernel per direction over the drafter's logits; CUDA) or torch (plain ops, any device; keeps fp32 "
         "copies of the logits for the backward). auto = triton on CUDA where Triton imports, torch elsewhere."
     )
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="Long samples: each TTT step's draft logits and soft cross-entropy over chunks of at "
+        "most this many tokens, each recomputed in the backward (activation checkpointing), so no step keeps "
+        "[tokens, draft vocab] logits for the backward (14.7 GB at 32K tokens, 7 steps, draft vocab 32000); costs "
+        "one more lm_head forward. The same loss and gradients. 0 = off (docs/drafter.md, \"Long samples\")."
+    )
+    recompute_ttt_steps: bool = Field(
+        False, description="Long samples: recompute each TTT step's drafter activations in the backward "
+        "(activation checkpointing) instead of keeping them; only each step's hidden state and keys/values are "
+        "kept. Costs one more drafter forward per step. The same loss and gradients."
+    )
     compile: bool = Field(False, description="torch.compile the drafter layer (GPU training; ~1 min warm-up).")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
     lr: float = Field(1e-4, gt=0.0)

@@ -33,7 +33,7 @@ from eagle3_ray.config import PipelineConfig, save_resolved
 from eagle3_ray.data.vocab import (
     VOCAB_FILE, build_vocab_map, count_tokens, data_fingerprint, save_vocab_map, vocab_fingerprint,
 )
-from eagle3_ray.engines.describe import describe_target
+from eagle3_ray.engines.describe import describe, describe_target
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.prepared import read_prepared
 from eagle3_ray.extract.stage import SUMMARY_FILE, engine_pool
@@ -143,10 +143,10 @@ def run_online_training(cfg: PipelineConfig, prepared: str | Path, vocab: str | 
     check_resource_split(cfg, ray.cluster_resources(), use_gpu)
     prepared = Path(prepared).resolve()
     sample_ids, lengths, _, _ = read_prepared(prepared)
-    info = describe_target(cfg.target)
-    train_plan = plan_run(cfg, lengths, data_fingerprint(sample_ids, lengths), vocab, out, info)
+    target = describe(cfg.target)
+    train_plan = plan_run(cfg, lengths, data_fingerprint(sample_ids, lengths), vocab, out, target)
     packs = train_plan.packs
-    meta = StoreMeta.from_engine_info(info, compact=cfg.extract.compact)
+    meta = StoreMeta.from_engine_info(target.info, compact=cfg.extract.compact)
     data_config = streaming_data_config(cfg)
     if not hybrid:
         return fit(cfg, train_plan, streaming_dataset(cfg, prepared, packs, meta, None), out, t0, use_gpu,

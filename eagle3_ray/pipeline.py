@@ -56,7 +56,9 @@ STAGE_DEPS = {
 
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
-UNHASHED = {"train": ("val_cache_bytes",), "target": ("sglang.max_concurrent_calls",)}
+# The long-sample memory options too: the same loss and gradients, only what the backward recomputes.
+UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps"),
+            "target": ("sglang.max_concurrent_calls",)}
 
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:

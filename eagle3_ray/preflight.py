@@ -85,30 +85,12 @@ def check_target(cfg: PipelineConfig) -> None:
     check_target_spec(cfg.target.model)
 
 
-def _target_config(cfg: PipelineConfig) -> dict[str, Any] | None:
-    """The target's (text) config.json when it is on disk already, else None: nothing is converted."""
-    from eagle3_ray.engines.targets import RANDOM_PREFIX, _random_config, converted_dir, embedded_gguf
-
-    spec = cfg.target.model.strip()
-    try:
-        if spec.startswith(RANDOM_PREFIX):
-            path = _random_config(spec)
-        elif spec == "smollm2" or spec.endswith(".gguf"):
-            gguf = embedded_gguf() if spec == "smollm2" else Path(spec).expanduser().resolve()
-            path = converted_dir(gguf, cfg.target.cache_dir) / "config.json"
-        else:
-            path = Path(spec).expanduser() / "config.json"
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    text = raw.get("text_config") if isinstance(raw, dict) else None
-    return text if isinstance(text, dict) else raw if isinstance(raw, dict) else None
-
-
 def check_drafter_fits_target(drafter, cfg: PipelineConfig, what: str) -> None:
     """The drafter reads hidden states the target has (what ``spec.prepare_drafter`` checks in the
     actor), when the target's config can be read without converting it."""
-    target = _target_config(cfg) if drafter is not None else None
+    from eagle3_ray.engines.targets import peek_text_config
+
+    target = peek_text_config(cfg.target.model, cfg.target.cache_dir) if drafter is not None else None
     if target is None:
         return
     hidden, layers = target.get("hidden_size"), target.get("num_hidden_layers")

@@ -54,21 +54,24 @@ def check_ties(device: str) -> None:
 
 
 def check_ttt(device: str) -> None:
-    """ttt_forward with each kernel: the same loss, metrics and gradients (a pack of 3 samples + padding)."""
+    """ttt_forward with each kernel: the same loss, metrics and gradients (a pack of 3 samples + padding);
+    the Triton kernel also over chunks of 8 tokens with recomputed steps (the long-sample options)."""
     from tests.test_ttt import _drafter, _lm_head, _pack, _sample, assert_same_ttt
 
     from eagle3_ray.drafter.ttt import ttt_forward
 
     batch = {k: v.to(device) for k, v in _pack([_sample(n, 60 + n) for n in (11, 4, 9)], pad_to=30).items()}
     res = {}
-    for kernel in ("triton", "torch"):
+    long = dict(loss_chunk_tokens=8, recompute_steps=True)
+    for name, kernel, options in (("triton", "triton", {}), ("torch", "torch", {}), ("long", "triton", long)):
         d = _drafter(seed=8)
         lm_head = _lm_head(d, seed=8).to(device)
         d = d.to(device)
-        out = ttt_forward(d, batch, lm_head, ttt_steps=3, attention="sdpa", loss_kernel=kernel)
+        out = ttt_forward(d, batch, lm_head, ttt_steps=3, attention="sdpa", loss_kernel=kernel, **options)
         out.loss.backward()
-        res[kernel] = (out, [p.grad for p in d.parameters() if p.requires_grad])
+        res[name] = (out, [p.grad for p in d.parameters() if p.requires_grad])
     assert_same_ttt(*res["triton"], *res["torch"], steps=3)
+    assert_same_ttt(*res["long"], *res["torch"], steps=3)
 
 
 def run_all(device: str) -> None:

@@ -9,16 +9,8 @@ import torch
 
 from eagle3_ray.bench.audit import TIE_ULPS, audit_turn, first_difference, ulp
 from eagle3_ray.bench.prompts import load_prompt_sets
-from eagle3_ray.bench.report import (
-    ACCEPT_PLOT,
-    REPORT_NAME,
-    TAU_PLOT,
-    THROUGHPUT_PLOT,
-    TRAINING_PLOT,
-    headline,
-    read_train_metrics,
-    write_report,
-)
+from eagle3_ray.bench.plots import ACCEPT_PLOT, TAU_PLOT, THROUGHPUT_PLOT, TRAINING_PLOT
+from eagle3_ray.bench.report import REPORT_NAME, headline, read_train_metrics, write_report
 from eagle3_ray.bench.runner import (
     PARTIAL_DIR,
     RESULTS_NAME,

@@ -127,6 +127,50 @@ def test_train_step_tiny_cpu_run(tmp_path):
     assert got["best_mode"] and got["tokens_per_s"]
 
 
+def test_train_step_length_sweep_tiny_cpu_run(tmp_path):
+    """The long-sample wall's command (issue 49) at a tiny shape: two lengths of one sample per step, with
+    the memory options on and --check comparing them with the plain step."""
+    out = tmp_path / "sweep.json"
+    _run(["benchmarks/train_step.py", "--preset", "smollm2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+          "--head-dim", "16", "--intermediate", "128", "--vocab", "512", "--draft-vocab", "256", "--lengths", "64,128",
+          "--ttt-steps", "7", "--steps", "1", "--warmup", "1", "--peak-tflops", "1", "--loss-chunk-tokens", "32",
+          "--recompute-ttt-steps", "--check", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert got["memory_options"] == {"loss_chunk_tokens": 32, "recompute_steps": True}
+    (mode, curve), = got["sweep"].items()
+    assert [p["length"] for p in curve] == [64, 128] and not any(p["oom"] for p in curve)
+    assert all(p["tokens_per_s"] > 0 and p["mfu"] > 0 for p in curve)
+    assert got["longest_trained"] == {mode: 128}
+    assert got["check"]["grad_rel_diff_max_sdpa/torch+options"] < 1e-5
+
+
+def test_train_step_sweep_records_out_of_memory_and_stops():
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("train_step_bench", BENCH / "train_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = bench.parse_args(["--sweep", "--seq", "2048", "--max-length", "40000", "--device", "cpu"])
+    assert bench.sweep_lengths(a) == [2048, 4096, 8192, 16384, 32768]
+    assert bench.sweep_lengths(bench.parse_args(["--lengths", "64,128", "--device", "cpu"])) == [64, 128]
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+
+    def oom(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def bad(batch):
+        raise ValueError("bad")
+
+    got = bench._sweep_point(oom, lambda n: None, 65536, Engine(), torch.device("cpu"))
+    assert got["oom"] and got["length"] == 65536 and "out of memory" in got["error"]
+    with pytest.raises(ValueError):  # anything else is not an out-of-memory point
+        bench._sweep_point(bad, lambda n: None, 64, Engine(), torch.device("cpu"))
+
+
 def test_spec_decode_tiny_cpu_run(tmp_path):
     out = tmp_path / "spec.json"
     _run(["benchmarks/spec_decode.py", "--target", "random:builtin:tiny-llama", "--num-prompts", "1",

@@ -11,14 +11,13 @@ from safetensors.torch import load_file, save_file
 from eagle3_ray.drafter import (
     DrafterConfig,
     Eagle3Drafter,
-    aux_ids_to_hf_indices,
     export_drafter,
     init_drafter_from,
     load_drafter,
     load_drafter_weights,
     save_drafter_weights,
-    translate_aux_ids,
 )
+from eagle3_ray.engines.aux_layers import aux_ids_to_hf_indices, translate_aux_ids
 from eagle3_ray.errors import CheckpointError, ConfigError
 
 # docs/contracts.md "Export directory", written out rather than imported so a drift fails here.

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_ray.bench.report import CURVE_ROWS, TRAINING_PLOT, write_report
+from eagle3_ray.bench.plots import TRAINING_PLOT
+from eagle3_ray.bench.report import CURVE_ROWS, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

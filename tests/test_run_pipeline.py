@@ -131,6 +131,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
         del full["generate"][k]
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
+    del full["train"]["loss_chunk_tokens"], full["train"]["recompute_ttt_steps"]  # what the backward recomputes
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
@@ -146,6 +147,9 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.val_cache_bytes=0"]), "bench", "d") == \
+        _stage_hash(cfg, "bench", "d")
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.loss_chunk_tokens=4096",
+                                                             "train.recompute_ttt_steps=true"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")

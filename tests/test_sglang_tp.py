@@ -13,7 +13,7 @@ import importlib
 import pytest
 
 from eagle3_ray.config import TargetConfig
-from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines.sglang_args import AUX_FLAG, engine_kwargs
 from eagle3_ray.engines.base import EngineInfo
 from eagle3_ray.engines.sglang_tp import TP_REFUSED, layer_hook_tp_kwargs, sglang_defers_layer_sums
 from eagle3_ray.errors import ConfigError
@@ -91,10 +91,10 @@ def test_engine_kwargs_apply_the_guard_on_the_layer_hook_path_only(tmp_path, tin
     def kwargs(fields, **sglang):
         target = TargetConfig(model=str(tmp_path / "m"), backend="sglang", tp_size=8, aux_layers=[2, 30, 58],
                               sglang=sglang)
-        return sg.engine_kwargs(target, "capture", info=DEEPSEEK, capture_dir=tmp_path, fields=fields)
+        return engine_kwargs(target, "capture", info=DEEPSEEK, capture_dir=tmp_path, fields=fields)
 
     assert kwargs(FIELDS)["enforce_disable_flashinfer_allreduce_fusion"] is True
-    aux = kwargs(FIELDS | {sg.AUX_FLAG})  # SGLang's own aux capture completes each sum first
-    assert "enforce_disable_flashinfer_allreduce_fusion" not in aux and aux[sg.AUX_FLAG] is True
+    aux = kwargs(FIELDS | {AUX_FLAG})  # SGLang's own aux capture completes each sum first
+    assert "enforce_disable_flashinfer_allreduce_fusion" not in aux and aux[AUX_FLAG] is True
     with pytest.raises(ConfigError, match="extra_engine_kwargs.moe_a2a_backend='deepep'"):
         kwargs(FIELDS, extra_engine_kwargs={"moe_a2a_backend": "deepep"})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_ray.engines.sglang import TESTED_VERSIONS
+from eagle3_ray.engines.sglang_args import TESTED_VERSIONS
 
 REPO = Path(__file__).resolve().parents[1]
 DEPS = REPO / ".deps"

@@ -114,7 +114,8 @@ def per_layer(got, want, hidden: int) -> dict[str, float]:
 
 def step_capture(a) -> dict:
     from eagle3_ray.engines.hf import HFEngine
-    from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
+    from eagle3_ray.engines.sglang import SGLangEngine
+    from eagle3_ray.engines.sglang_args import engine_kwargs
 
     model = a.target
     if a.random_ids:
@@ -183,7 +184,7 @@ def _rate(fn, batches) -> dict:
 def _plain_prefill(model: str, batches, graphs: bool) -> dict:
     import sglang
 
-    from eagle3_ray.engines.sglang import engine_kwargs
+    from eagle3_ray.engines.sglang_args import engine_kwargs
 
     cfg = target_cfg(model, "sglang", mem_fraction_static=0.6)
     kw = {**engine_kwargs(cfg, "generate"), "disable_radix_cache": True, "chunked_prefill_size": -1,

@@ -63,6 +63,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "false")
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # benchmarks.device.sglang_capture_probe, which SGLang's schedulers import too
 sys.path.insert(0, str(REPO / "benchmarks" / "device"))
 from sglang_h200 import per_layer, rel_err  # noqa: E402  (the first call's error measures)
 GGUF = Path("/tmp/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -207,8 +208,10 @@ def _save_partial(a, res: dict) -> None:
 def part_a(a) -> dict:
     import torch
 
-    from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
-    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, FACTORY_PATH, WRITERS_ENV, read_writer_stats
+    from eagle3_ray.engines.sglang import SGLangEngine
+    from eagle3_ray.engines.sglang_args import engine_kwargs
+    from benchmarks.device.sglang_capture_probe import probe_hooks, read_writer_stats
+    from eagle3_ray.engines.sglang_hooks import DEFAULT_WRITERS, WRITERS_ENV
     from eagle3_ray.extract.pipeline import GPU_CONCURRENT_BATCHES
     from eagle3_ray.features.record import bf16_to_uint16
 
@@ -258,14 +261,12 @@ def part_a(a) -> dict:
     res["prefill"], res["prefill_one_call"] = prefill_rates(kw)
     log(f"prefill: {res['prefill']}; all prompts in one call: {res['prefill_one_call']}")
     _save_partial(a, res)
-    # The same with the capture hook cut short (--probes; hooks_module.PROBES), files in a scratch dir:
-    # where between SGLang's forward and the files the capture's cost lies.
+    # The same with the capture hook cut short (--probes; benchmarks/device/sglang_capture_probe.py),
+    # files in a scratch dir: where between SGLang's forward and the files the capture's cost lies.
     for probe in [p for p in a.probes.split(",") if p]:
         scratch = Path(tempfile.mkdtemp(prefix="probe_", dir=cfg.sglang.capture_dir))
         kw = engine_kwargs(cfg, "capture", capture_dir=scratch)
-        for hook in kw["forward_hooks"]:
-            if hook["hook_factory"] == FACTORY_PATH:
-                hook["config"] = {**hook["config"], "probe": probe}
+        kw["forward_hooks"] = probe_hooks(kw["forward_hooks"], probe)
         res[f"prefill_probe_{probe}"], res[f"prefill_one_call_probe_{probe}"] = prefill_rates(kw)
         shutil.rmtree(scratch, ignore_errors=True)
         log(f"prefill, hook probe {probe}: {res[f'prefill_probe_{probe}']}; one call: {res[f'prefill_one_call_probe_{probe}']}")
@@ -357,7 +358,8 @@ def part_d(a) -> dict:
 
     from eagle3_ray.engines.aux_layers import translate_aux_ids
     from eagle3_ray.engines.hf import HFEngine
-    from eagle3_ray.engines.sglang import SGLangEngine, engine_kwargs
+    from eagle3_ray.engines.sglang import SGLangEngine
+    from eagle3_ray.engines.sglang_args import engine_kwargs
 
     dims = dict(DEEPSEEK_TINY)
     if a.cpu:
@@ -549,13 +551,11 @@ def part_e(a) -> dict:
     import torch
 
     from eagle3_ray.bench.prompts import load_prompt_sets
-    from eagle3_ray.bench.runner import BenchActor
-    from eagle3_ray.bench.sglang_bench import _run_engine, summarize_run
+    from eagle3_ray.bench import sglang_bench as sb
     from eagle3_ray.config import BenchConfig, PipelineConfig
-    from eagle3_ray.engines.sglang import engine_kwargs
 
     sys.path.insert(0, str(REPO / "benchmarks" / "device"))
-    from spec_h200 import random_drafter_dir, tiny_prompts
+    from spec_h200 import bench_actor, random_drafter_dir, tiny_prompts
 
     work = Path(tempfile.mkdtemp(prefix="plain_"))
     mt = str(tiny_prompts(work)) if a.cpu else a.mt_bench
@@ -565,18 +565,20 @@ def part_e(a) -> dict:
     res: dict = {"prompts": sum(map(len, sets.values())), "turns": turns, "max_new_tokens": new}
     bench = BenchConfig(modes=[], max_new_tokens=new, temperature=0.0, prompt_lookup=False, num_gpus=0 if a.cpu else 1)
     if not a.cpu:  # SGLang needs CUDA
-        cfg = PipelineConfig(target=target_cfg(str(SMOLLM2), "sglang", mem_fraction_static=0.5), bench=bench)
-        kw = {**engine_kwargs(cfg.target, "generate"), "cuda_graph_max_bs_decode": 4}
+        # the product's SGLang bench, plain mode only, one request at a time (CUDA graphs up to batch 1)
+        cfg = PipelineConfig(target=target_cfg(str(SMOLLM2), "sglang", mem_fraction_static=0.5),
+                             bench=bench.model_copy(update={"concurrency": [1]}))
         t = time.perf_counter()
-        raw = summarize_run(_run_engine(kw, cfg, {c: [p.turns for p in ps] for c, ps in sets.items()}))
+        part = sb.run_mode(cfg, "plain", "", sb.conversations_of(sets))
+        raw = part["by_concurrency"]["1"]
         res["sglang"] = {"tokens_per_s": raw["tokens_per_s"], "completion_tokens": raw["completion_tokens"],
                          "seconds": raw["seconds"], "wall_s_with_start": time.perf_counter() - t,
-                         "cuda_graphs": not kw.get("disable_cuda_graph", False)}
+                         "cuda_graphs": "disable_cuda_graph" not in part["server_args"]}
         log(f"sglang plain: {res['sglang']}")
         torch.cuda.empty_cache()
     tcfg = target_cfg(str(SMOLLM2), "hf", cpu=a.cpu)
-    actor = BenchActor(tcfg, random_drafter_dir(tcfg, work))  # the drafter is loaded, never run (modes=[])
-    actor.static_off_cuda = a.cpu
+    # the drafter is loaded, never run (modes=[]); with --cpu the StaticTarget path runs eagerly
+    actor = bench_actor(tcfg, random_drafter_dir(tcfg, work), static_off_cuda=a.cpu)
     ours = actor.run(sets, bench)
     res["ours"] = {"tokens_per_s": ours["baseline"]["tokens_per_s"], "graphed": ours.get("graphed_baseline"),
                    "static_target": ours.get("static_target"), "max_length": bench.max_length}
@@ -687,7 +689,7 @@ def main() -> None:
                    "concurrent callers (the product's default on a GPU actor is 3)")
     p.add_argument("--writers", default="1", help="part a: the hook's writer threads, one capture engine per count")
     p.add_argument("--probes", default="", help="part a: also time SGLang's prefill with the capture hook cut "
-                   "short at each of these (rows, copy: eagle3_ray.engines.sglang_hooks.PROBES)")
+                   "short at each of these (rows, copy: benchmarks/device/sglang_capture_probe.py)")
     p.add_argument("--call-limits", default="0", help="part a: target.sglang.max_concurrent_calls, one capture "
                    "engine per value (0: no bound, the product's default; 1: one call in SGLang at a time)")
     p.add_argument("--prompts", type=int, default=128)

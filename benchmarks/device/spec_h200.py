@@ -41,6 +41,18 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
+def bench_actor(target_cfg, drafter: str, static_off_cuda: bool = False, **kwargs):
+    """The product's BenchActor; ``static_off_cuda``: its StaticTarget / StaticProposer path on the CPU
+    too (run eagerly there), how a CPU run of this script exercises the graphed path's code."""
+    from eagle3_ray.bench.runner import BenchActor
+
+    class StaticOffCuda(BenchActor):
+        def uses_static_target(self, b) -> bool:
+            return b.cuda_graphs
+
+    return (StaticOffCuda if static_off_cuda else BenchActor)(target_cfg, drafter, **kwargs)
+
+
 def random_drafter_dir(target_cfg, work: Path) -> str:
     """A seeded random drafter for the target, saved and exported as the product does."""
     import torch
@@ -162,7 +174,7 @@ def main(argv=None) -> int:
 
     from eagle3_ray.bench.prompts import load_prompt_sets
     from eagle3_ray.bench.report import write_report
-    from eagle3_ray.bench.runner import BenchActor, results_body
+    from eagle3_ray.bench.runner import results_body
     from eagle3_ray.config import BenchConfig, TargetConfig
 
     out = Path(a.out)
@@ -196,8 +208,7 @@ def main(argv=None) -> int:
     sets = load_prompt_sets(a.mtbench, a.max_prompts)
     log(f"{sum(len(p) for p in sets.values())} prompts, {sum(len(p.turns) for ps in sets.values() for p in ps)} turns, "
         f"categories {list(sets)}")
-    actor = BenchActor(target_cfg, drafter, compare_untrained=not a.no_untrained)
-    actor.static_off_cuda = a.tiny  # CPU: the StaticTarget/StaticProposer code path, run eagerly
+    actor = bench_actor(target_cfg, drafter, static_off_cuda=a.tiny, compare_untrained=not a.no_untrained)
     untrained = actor.untrained
     common = dict(max_new_tokens=a.max_new_tokens, num_steps=a.num_steps, topk=a.topk, depth=a.depth,
                   total_tokens=a.total_tokens, max_length=a.max_length, prompt_lookup=False, temperature=0.0)

@@ -1,8 +1,5 @@
-"""``report.md`` and its PNG plots from a benchmark's results.json (and the training metrics.jsonl).
-
-Plots are drawn on ``matplotlib.figure.Figure`` objects saved through the Agg canvas: no pyplot, so
-no global backend state and no display needed.
-"""
+"""``report.md`` from a benchmark's results.json (and the training metrics.jsonl), next to its plots
+(``bench/plots.py``)."""
 
 from __future__ import annotations
 
@@ -10,19 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from eagle3_ray.atomic import write_text
+from eagle3_ray.bench.plots import ACCEPT_PLOT, TAU_PLOT, THROUGHPUT_PLOT, TRAINING_PLOT, write_plots
+from eagle3_ray.bench.report_format import (
+    kind_entry,
+    kind_label,
+    md_table,
+    number,
+    result_kinds,
+    train_tokens,
+)
 from eagle3_ray.bench.sglang_report import sglang_section
 from eagle3_ray.errors import DataError
 
 REPORT_NAME = "report.md"
-TAU_PLOT = "tau_by_category.png"
-ACCEPT_PLOT = "accept_by_position.png"
-TRAINING_PLOT = "training_curves.png"
-THROUGHPUT_PLOT = "throughput.png"
-DPI = 120
-PEERS = ("prompt_lookup", "untrained")  # compared with the modes but not modes of the trained drafter
 
 
 def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_path: str | Path | None = None) -> Path:
@@ -43,11 +41,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
         _untrained_section(results),
         _training_section(training, results),
     ]
-    _plot_throughput(results, out / THROUGHPUT_PLOT)
-    _plot_tau_by_category(results, out / TAU_PLOT)
-    _plot_accept_by_position(results, out / ACCEPT_PLOT)
-    if training:
-        _plot_training(training, out / TRAINING_PLOT, results)
+    write_plots(results, out, training)
     path = out / REPORT_NAME
     write_text(path, "\n\n".join(s for s in sections if s) + "\n")
     return path
@@ -70,51 +64,6 @@ def read_train_metrics(path: str | Path) -> list[dict[str, Any]]:
             raise DataError(f"{file}:{lineno}: a metrics line needs 'step' and 'loss', got {line[:80]!r}")
         rows[int(row["step"])] = row
     return [rows[s] for s in sorted(rows)]
-
-
-# --- labels and numbers -----------------------------------------------------------------------------
-
-
-def _kinds(results: dict[str, Any]) -> list[str]:
-    """Modes of the trained drafter, then the peers that were run."""
-    return list(results.get("tau", {})) + [p for p in PEERS if results.get(p)]
-
-
-def _entry(results: dict[str, Any], kind: str) -> dict[str, Any]:
-    if kind in PEERS or kind == "baseline":
-        return results.get(kind) or {}
-    return (results.get("modes") or {}).get(kind) or {
-        "tau": results["tau"].get(kind),
-        "tokens_per_s": results["tokens_per_s"].get(kind),
-        "speedup": results["speedup"].get(kind),
-        "accept_by_position": (results.get("accept_by_position") or {}).get(kind, []),
-    }
-
-
-def _colors(results: dict[str, Any]) -> dict[str, str]:
-    """One colour per kind, the same in every plot."""
-    return {"baseline": "0.6", **{k: f"C{i}" for i, k in enumerate(_kinds(results))}}
-
-
-def _label(results: dict[str, Any], kind: str) -> str:
-    b = (results.get("config") or {}).get("bench") or {}
-    details = {
-        "baseline": "target only",
-        "chain": f"K={b['num_steps']}" if "num_steps" in b else "",
-        "tree": f"top-{b['topk']}, depth {b['depth']}, {b['total_tokens']} tokens" if "topk" in b else "",
-        "prompt_lookup": "peer, no drafter",
-        "untrained": "chain, untrained drafter",
-    }.get(kind, "")
-    return f"{kind} ({details})" if details else kind
-
-
-def _num(value: Any, fmt: str = "{:.2f}") -> str:
-    return "–" if value is None else fmt.format(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 # --- sections ---------------------------------------------------------------------------------------
@@ -147,7 +96,7 @@ def _first_set_tau(results: dict[str, Any]) -> str:
     if len(per_set) < 2:
         return ""
     name, kinds = next(iter(per_set.items()))
-    taus = [f"{k} {_num((kinds.get(k) or {}).get('tau'))}" for k in results.get("tau", {})]
+    taus = [f"{k} {number((kinds.get(k) or {}).get('tau'))}" for k in results.get("tau", {})]
     return f" **tau on {name}** (first of {len(per_set)} prompt sets): " + ", ".join(taus) + "."
 
 
@@ -191,37 +140,37 @@ def _sources(prompts: Any) -> str:
 
 def _summary_section(results: dict[str, Any]) -> str:
     rows = []
-    for kind in ["baseline", *_kinds(results)]:
-        e = _entry(results, kind)
+    for kind in ["baseline", *result_kinds(results)]:
+        e = kind_entry(results, kind)
         speedup = 1.0 if kind == "baseline" else e.get("speedup")
         identical = e.get("identical_to_baseline")
         rows.append([
-            _label(results, kind),
-            "–" if kind == "baseline" else _num(e.get("tau")),
-            _num(e.get("tokens_per_s"), "{:.1f}"),
-            _num(speedup, "{:.2f}x"),
-            "" if kind == "baseline" else _num(identical, "{:.0%}"),
+            kind_label(results, kind),
+            "–" if kind == "baseline" else number(e.get("tau")),
+            number(e.get("tokens_per_s"), "{:.1f}"),
+            number(speedup, "{:.2f}x"),
+            "" if kind == "baseline" else number(identical, "{:.0%}"),
         ])
-    table = _table(["mode", "tau", "tokens/s", "speedup", "output = baseline"], rows)
+    table = md_table(["mode", "tau", "tokens/s", "speedup", "output = baseline"], rows)
     return f"## Summary\n\n{table}\n\n![throughput]({THROUGHPUT_PLOT})"
 
 
 def _parts_section(results: dict[str, Any]) -> str:
-    kinds = [k for k in ["baseline", *_kinds(results)] if _entry(results, k).get("ms_per_cycle")]
+    kinds = [k for k in ["baseline", *result_kinds(results)] if kind_entry(results, k).get("ms_per_cycle")]
     if not kinds:
         return ""
     cols = ["draft", "verify", "accept", "commit"]
     rows = []
     for kind in kinds:
-        ms = _entry(results, kind)["ms_per_cycle"]
+        ms = kind_entry(results, kind)["ms_per_cycle"]
         cycle = sum(ms.get(c, 0.0) for c in cols)
-        rows.append([_label(results, kind), *[_num(ms.get(c), "{:.2f}") for c in cols], _num(cycle, "{:.2f}"),
-                     _num(ms.get("prefill"), "{:.1f}")])
+        rows.append([kind_label(results, kind), *[number(ms.get(c), "{:.2f}") for c in cols], number(cycle, "{:.2f}"),
+                     number(ms.get("prefill"), "{:.1f}")])
     intro = ("Milliseconds per verify cycle (baseline: per decoded token) by part: draft, the target's verify "
              "forward, acceptance and bookkeeping, the drafter's commit of the accepted states; and the "
              "prefill per turn. On CUDA measured with CUDA events at the part boundaries. With the graphed static "
              "drafter a commit runs inside the next draft's graph: its kernels count under draft.")
-    table = _table(["mode", "draft", "verify", "accept", "commit", "cycle", "prefill / turn"], rows)
+    table = md_table(["mode", "draft", "verify", "accept", "commit", "cycle", "prefill / turn"], rows)
     return f"## Where the time goes\n\n{intro}\n\n{table}"
 
 
@@ -240,10 +189,10 @@ def _divergence_section(results: dict[str, Any]) -> str:
     ]
     if items:
         rows = [[d["kind"], d["category"], f"{d['prompt_id']}/{d['turn']}", str(d.get("position")),
-                 _num(d.get("gap"), "{:.4g}"), _num(d.get("gap_ulps"), "{:.1f}"),
+                 number(d.get("gap"), "{:.4g}"), number(d.get("gap_ulps"), "{:.1f}"),
                  {True: "yes", False: "**no**", None: "–"}[d.get("explained")]] for d in items]
-        lines += ["", _table(["mode", "category", "prompt/turn", "first diff", "top-2 gap", "gap (ulp)",
-                              "rounding"], rows)]
+        lines += ["", md_table(["mode", "category", "prompt/turn", "first diff", "top-2 gap", "gap (ulp)",
+                                "rounding"], rows)]
     return "\n".join(lines)
 
 
@@ -255,9 +204,9 @@ def _kind_table(first: str, groups: dict[str, dict[str, Any]], kinds: list[str],
         row = [group] + ([str((by_kind.get("baseline") or {}).get("turns", "–"))] if turns else [])
         for k in kinds:
             e = by_kind.get(k) or {}
-            row += [_num(e.get("tau")), _num(e.get("speedup"), "{:.2f}x")]
+            row += [number(e.get("tau")), number(e.get("speedup"), "{:.2f}x")]
         rows.append(row)
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def _set_section(results: dict[str, Any]) -> str:
@@ -267,7 +216,7 @@ def _set_section(results: dict[str, Any]) -> str:
         return ""
     intro = ("Each prompt set's turns pooled as the summary pools all of them; speedup over plain decoding "
              "of that set's turns.")
-    return f"## Per set\n\n{intro}\n\n{_kind_table('set', per_set, _kinds(results), turns=True)}"
+    return f"## Per set\n\n{intro}\n\n{_kind_table('set', per_set, result_kinds(results), turns=True)}"
 
 
 def _turn_section(results: dict[str, Any]) -> str:
@@ -278,26 +227,26 @@ def _turn_section(results: dict[str, Any]) -> str:
         return ""
     intro = ("The turns at each index of their conversation pooled (turn 2 follows the target's own answer "
              "to turn 1); speedup over plain decoding of the same turns.")
-    return f"## Per turn\n\n{intro}\n\n{_kind_table('turns of', rows, _kinds(results), turns=True)}"
+    return f"## Per turn\n\n{intro}\n\n{_kind_table('turns of', rows, result_kinds(results), turns=True)}"
 
 
 def _category_section(results: dict[str, Any]) -> str:
     per_cat = results.get("per_category") or {}
     if not per_cat:
         return ""
-    table = _kind_table("category", per_cat, _kinds(results))
+    table = _kind_table("category", per_cat, result_kinds(results))
     return f"## Per category\n\n{table}\n\n![tau by category]({TAU_PLOT})"
 
 
 def _acceptance_section(results: dict[str, Any]) -> str:
-    curves = {k: _entry(results, k).get("accept_by_position") or [] for k in _kinds(results)}
+    curves = {k: kind_entry(results, k).get("accept_by_position") or [] for k in result_kinds(results)}
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return ""
     width = max(len(v) for v in curves.values())
-    rows = [[_label(results, k)] + [_num(v[i], "{:.0%}") if i < len(v) else "" for i in range(width)]
+    rows = [[kind_label(results, k)] + [number(v[i], "{:.0%}") if i < len(v) else "" for i in range(width)]
             for k, v in curves.items()]
-    table = _table(["mode"] + [f"≥{i + 1}" for i in range(width)], rows)
+    table = md_table(["mode"] + [f"≥{i + 1}" for i in range(width)], rows)
     intro = "Share of verify steps that accepted at least i draft tokens."
     return f"## Acceptance by draft position\n\n{intro}\n\n{table}\n\n![acceptance by position]({ACCEPT_PLOT})"
 
@@ -308,24 +257,17 @@ def _untrained_section(results: dict[str, Any]) -> str:
     if not untrained or not trained:
         return ""
     rows = [
-        [name, _num(e.get("tau")), _num(e.get("tokens_per_s"), "{:.1f}"), _num(e.get("speedup"), "{:.2f}x")]
+        [name, number(e.get("tau")), number(e.get("tokens_per_s"), "{:.1f}"), number(e.get("speedup"), "{:.2f}x")]
         for name, e in (("trained", trained), ("untrained (seeded random)", untrained))
     ]
     gain = "–"
     if trained.get("tau") and untrained.get("tau"):
         gain = f"{trained['tau'] - untrained['tau']:+.2f}"
-    table = _table(["chain drafter", "tau", "tokens/s", "speedup"], rows)
+    table = md_table(["chain drafter", "tau", "tokens/s", "speedup"], rows)
     return f"## Trained vs untrained drafter\n\n{table}\n\nTraining changed tau by {gain}."
 
 
 CURVE_ROWS = 12  # rows of the tau-against-training-tokens table at most (the last row always among them)
-
-
-def _tokens(row: dict[str, Any]) -> int | None:
-    """Training tokens seen by the optimizer up to this row (all workers); None in metrics written
-    before the count was logged."""
-    v = row.get("train_tokens")
-    return None if v is None else int(v)
 
 
 def _curve_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -349,11 +291,11 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
         return ""
     last = rows[-1]
     accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k.split("_")[1]))
-    table = _table(
+    table = md_table(
         ["step", "training tokens", "loss", "simulated tau", *accs, "lr", "tokens/s"],
-        [[str(last["step"]), _num(_tokens(last), "{:,}"), _num(last.get("loss"), "{:.3f}"), _num(last.get("tau")),
-          *[_num(last[a], "{:.2f}") for a in accs], _num(last.get("lr"), "{:.2e}"),
-          _num(last.get("tokens_per_s"), "{:,.0f}")]],
+        [[str(last["step"]), number(train_tokens(last), "{:,}"), number(last.get("loss"), "{:.3f}"),
+          number(last.get("tau")), *[number(last[a], "{:.2f}") for a in accs], number(last.get("lr"), "{:.2e}"),
+          number(last.get("tokens_per_s"), "{:,.0f}")]],
     )
     intro = (
         f"The last of {len(rows)} logged steps. Simulated tau = 1 + Σ_k Π_(j≤k) acc_j from the training "
@@ -365,11 +307,11 @@ def _training_section(rows: list[dict[str, Any]], results: dict[str, Any] | None
     prefix = "val_tau_walk3" if walked else "val_tau_chain3"
     chain3 = [k for k in (prefix,) if any(k in r for r in rows)] + sorted(
         {k for r in rows for k in r if k.startswith(prefix + "/")})
-    curve = _table(
+    curve = md_table(
         ["step", "training tokens", "train simulated tau", "held-out simulated tau",
          *[("held-out chain(3)" if k == prefix else f"{k.split('/', 1)[1]} chain(3)") for k in chain3]],
-        [[str(r["step"]), _num(_tokens(r), "{:,}"), _num(r.get("tau")), _num(r.get("val_tau")),
-          *[_num(r.get(k)) for k in chain3]]
+        [[str(r["step"]), number(train_tokens(r), "{:,}"), number(r.get("tau")), number(r.get("val_tau")),
+          *[number(r.get(k)) for k in chain3]]
          for r in _curve_rows(rows)],
     )
     curve_intro = (
@@ -401,10 +343,11 @@ def _measured_section(rows: list[dict[str, Any]], results: dict[str, Any]) -> st
     walked = val is not None and val.get("val_tau_walk3") is not None
     head = ["mode", "measured tau", "held-out simulated tau (final)", "train simulated tau (final)",
             *(["held-out chain(3) walked (final)"] if walked else [])]
-    body = [[_label(results, k), _num(v), _num(val and val.get("val_tau")), _num(last.get("tau")),
-             *([_num(val["val_tau_walk3"])] if walked else [])]
+    body = [[kind_label(results, k), number(v), number(val and val.get("val_tau")), number(last.get("tau")),
+             *([number(val["val_tau_walk3"])] if walked else [])]
             for k, v in taus.items()]
-    where = (f"held-out at step {val['step']}" + (f", {_tokens(val):,} training tokens" if _tokens(val) else "")
+    tokens = train_tokens(val) if val else None
+    where = (f"held-out at step {val['step']}" + (f", {tokens:,} training tokens" if tokens else "")
              if val else "no held-out evaluation in this run (`train.val_share` 0)")
     intro = ("The tau the benchmark measured per mode beside the drafter's simulated tau at the end of "
              f"training ({where}). The simulation assumes a chain of ttt_steps drafts; a measured chain "
@@ -412,93 +355,4 @@ def _measured_section(rows: list[dict[str, Any]], results: dict[str, Any]) -> st
              + (" The walked chain(3) replays chain decoding of three drafts over the held-out answers: "
                 "where those are the target's greedy answers to the benched prompts, it is the chain(3) "
                 "tau the bench should measure." if walked else ""))
-    return f"### Measured against simulated tau\n\n{intro}\n\n{_table(head, body)}"
-
-
-# --- plots ------------------------------------------------------------------------------------------
-
-
-def _save(fig: Figure, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-
-
-def _plot_throughput(results: dict[str, Any], path: Path) -> None:
-    kinds = ["baseline", *_kinds(results)]
-    tps = [_entry(results, k).get("tokens_per_s") or 0.0 for k in kinds]
-    fig = Figure(figsize=(7, 3.8))
-    ax = fig.add_subplot()
-    colors = _colors(results)
-    bars = ax.bar(kinds, tps, color=[colors[k] for k in kinds])
-    for kind, bar in zip(kinds, bars):
-        speedup = 1.0 if kind == "baseline" else _entry(results, kind).get("speedup")
-        ax.annotate(_num(speedup, "{:.2f}x"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
-    ax.set_ylabel("tokens/s (label: speedup)")
-    ax.set_title(f"Decoding throughput on {results.get('device')}")
-    ax.margins(y=0.15)
-    _save(fig, path)
-
-
-def _plot_tau_by_category(results: dict[str, Any], path: Path) -> None:
-    per_cat = results.get("per_category") or {}
-    cats = list(per_cat)
-    kinds = [k for k in _kinds(results) if any((per_cat[c].get(k) or {}).get("tau") is not None for c in cats)]
-    fig = Figure(figsize=(max(6.0, 1.1 * len(cats) + 2), 4))
-    ax = fig.add_subplot()
-    width = 0.8 / max(len(kinds), 1)
-    colors = _colors(results)
-    for i, kind in enumerate(kinds):
-        taus = [(per_cat[c].get(kind) or {}).get("tau") or 0.0 for c in cats]
-        ax.bar([x + (i - (len(kinds) - 1) / 2) * width for x in range(len(cats))], taus, width, label=kind,
-               color=colors[kind])
-    ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
-    ax.set_ylabel("tau (tokens per verify step)")
-    ax.set_title("Acceptance length by category")
-    ax.margins(y=0.2)  # headroom for the legend row
-    ax.legend(fontsize="small", ncols=max(len(kinds), 1), loc="upper center")
-    _save(fig, path)
-
-
-def _plot_accept_by_position(results: dict[str, Any], path: Path) -> None:
-    fig = Figure(figsize=(6, 3.8))
-    ax = fig.add_subplot()
-    colors = _colors(results)
-    for kind in _kinds(results):
-        curve = _entry(results, kind).get("accept_by_position") or []
-        if curve:
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=kind, color=colors[kind])
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("verify steps accepting ≥ i drafts")
-    ax.set_ylim(-0.03, 1.05)  # a curve at 0 (nothing accepted) stays visible
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_title("Acceptance by draft position")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
-    _save(fig, path)
-
-
-def _plot_training(rows: list[dict[str, Any]], path: Path, results: dict[str, Any] | None = None) -> None:
-    """Loss, simulated tau (train and held-out, with the bench's measured tau per mode as lines) and
-    acc_0 against training tokens; against steps for metrics without the token count."""
-    by_tokens = all(_tokens(r) is not None for r in rows)
-    xs = [_tokens(r) if by_tokens else r["step"] for r in rows]
-    xlabel = "training tokens" if by_tokens else "step"
-    fig = Figure(figsize=(11, 3.4))
-    for i, (keys, title) in enumerate(((("loss", "val_loss"), "loss"), (("tau", "val_tau"), "simulated tau"),
-                                       (("acc_0", "val_acc_0"), "acc_0 (first draft)"))):
-        ax = fig.add_subplot(1, 3, i + 1)
-        for key, style, label in zip(keys, ("-", "o--"), ("train", "held-out")):
-            points = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), style, color=f"C{i}", label=label, markersize=4)
-        if keys[0] == "tau":
-            for j, (mode, tau) in enumerate((results or {}).get("tau", {}).items()):
-                if tau is not None:
-                    ax.axhline(tau, color=f"C{3 + j}", linewidth=0.9, linestyle=":", label=f"measured {mode}")
-        ax.set_xlabel(xlabel)
-        ax.set_title(title)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="x-small")
-    _save(fig, path)
+    return f"### Measured against simulated tau\n\n{intro}\n\n{md_table(head, body)}"

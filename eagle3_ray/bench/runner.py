@@ -66,13 +66,16 @@ class BenchActor:
                                      "drafter": drafter_dir, "dtype": str(self.target.dtype).removeprefix("torch."),
                                      "graphed_baseline": False, "draft_graphs": False}
         self._static = None  # the StaticTarget (CUDA), built on first use
-        # The StaticTarget off CUDA too (eager there): how CPU runs exercise the static code path.
-        self.static_off_cuda = False
+
+    def uses_static_target(self, b: BenchConfig) -> bool:
+        """Whether the modes decode through a StaticTarget: with ``bench.cuda_graphs``, on CUDA (off
+        CUDA it would run the same functions eagerly, with no graphs to gain)."""
+        return b.cuda_graphs and self.target.device.type == "cuda"
 
     def _decoding_target(self, b: BenchConfig):
-        """The model, or on CUDA with ``bench.cuda_graphs`` one StaticTarget shared by every mode
-        (drafting through its graphed StaticProposer when ``bench.draft_graphs``)."""
-        if not (b.cuda_graphs and (self.target.device.type == "cuda" or self.static_off_cuda)):
+        """The model, or where ``uses_static_target`` one StaticTarget shared by every mode (drafting
+        through its graphed StaticProposer when ``bench.draft_graphs``)."""
+        if not self.uses_static_target(b):
             self.info.update(graphed_baseline=False, draft_graphs=False)
             return self.target.model
         if self._static is None or self._static.max_length != b.max_length:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from eagle3_ray.config import BenchConfig, PipelineConfig
-from eagle3_ray.engines.sglang import (
+from eagle3_ray.engines.sglang_args import (
     check_server_args,
     engine_kwargs,
     generate_sampling,

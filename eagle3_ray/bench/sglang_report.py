@@ -5,14 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _num(value: Any, fmt: str = "{:.2f}") -> str:
-    return "–" if value is None else fmt.format(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+from eagle3_ray.bench.report_format import md_table, number
 
 
 def sglang_section(results: dict[str, Any]) -> str:
@@ -35,15 +28,15 @@ def sglang_section(results: dict[str, Any]) -> str:
         for c in conc:
             r = by_c.get(c) or {}
             speedup = 1.0 if mode == "plain" else (s["speedup"].get(mode) or {}).get(c)
-            rows.append([mode, c, _num(r.get("tokens_per_s"), "{:.1f}"), _num(speedup, "{:.2f}x"),
-                         _num(r.get("tau")), _num(r.get("accept_length")), _num(r.get("ms_per_cycle"), "{:.2f}")])
-    lines.append(_table(["mode", "concurrency", "tokens/s", "speedup", "tau", "SGLang accept length",
+            rows.append([mode, c, number(r.get("tokens_per_s"), "{:.1f}"), number(speedup, "{:.2f}x"),
+                         number(r.get("tau")), number(r.get("accept_length")), number(r.get("ms_per_cycle"), "{:.2f}")])
+    lines.append(md_table(["mode", "concurrency", "tokens/s", "speedup", "tau", "SGLang accept length",
                          "ms per verify cycle"], rows))
     lines.append("")
     for mode, where in (s.get("crossing") or {}).items():
         lines.append(f"- {mode}: the speedup {where}.")
     for mode, share in (s.get("identical_to_plain") or {}).items():
-        lines.append(f"- {mode}: {_num(share, '{:.0%}')} of turns (concurrency 1) equal plain decoding's output.")
+        lines.append(f"- {mode}: {number(share, '{:.0%}')} of turns (concurrency 1) equal plain decoding's output.")
     for mode, err in (s.get("errors") or {}).items():
         lines.append(f"- **{mode} failed**: {err}")
     hist_rows = []
@@ -55,7 +48,8 @@ def sglang_section(results: dict[str, Any]) -> str:
     if hist_rows:
         width = max(len(r) for r in hist_rows) - 1
         lines += ["", f"Acceptance histogram at concurrency {conc[0]} (share of verify steps accepting i drafts):",
-                  "", _table(["mode", *[str(i) for i in range(width)]], [r + [""] * (width + 1 - len(r)) for r in hist_rows])]
+                  "", md_table(["mode", *[str(i) for i in range(width)]],
+                               [r + [""] * (width + 1 - len(r)) for r in hist_rows])]
     starts = s.get("start_seconds") or {}
     if starts:
         lines += ["", "Engine start (CUDA-graph capture included): " + ", ".join(

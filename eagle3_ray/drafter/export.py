@@ -21,14 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_ray.atomic import write_file, write_json
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
-# The aux-id rules live with the engines; these names stay importable from here
-# (the drafter package re-exports translate_aux_ids from this module).
-from eagle3_ray.engines.aux_layers import (  # noqa: F401
-    SGLANG_AUX_RULES,
-    Engine,
-    aux_ids_to_hf_indices,
-    translate_aux_ids,
-)
+from eagle3_ray.engines.aux_layers import Engine, aux_ids_to_hf_indices, translate_aux_ids
 from eagle3_ray.errors import CheckpointError, require_dir
 
 CHECKPOINT_WEIGHTS = "drafter.safetensors"

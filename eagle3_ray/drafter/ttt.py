@@ -20,6 +20,16 @@ in block j) with one of three equivalent implementations:
   length ``ttt_steps * T`` (unwritten blocks are zeros that the mask never reads), so every step has
   the same shapes and the kernel compiles once per padded T; only the prefix blocks of each sample
   and the diagonal blocks of later steps are computed. T is padded to a multiple of 128.
+
+Long samples (two memory options, off by default; the same loss and gradients, tested):
+
+- ``loss_chunk_tokens`` > 0: each step's draft logits and soft cross-entropy run over chunks of at
+  most that many tokens, each under activation checkpointing (`ttt_memory.chunked_soft_ce`): no [T, draft
+  vocab] logits (or fp32 log-probabilities) are kept between forward and backward, and the backward
+  recomputes one chunk's logits at a time (one more lm_head forward per token and step).
+- ``recompute_steps``: each TTT step's drafter pass runs under activation checkpointing
+  (`ttt_memory.recomputed_step`): only its input hidden state, its output and its keys/values (which later
+  steps attend to) are kept; the rest is recomputed in the backward (one more drafter forward).
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ import torch
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
 from eagle3_ray.drafter.soft_ce import soft_cross_entropy
 from eagle3_ray.drafter.ttt_attention import Segments, TTTCache
+from eagle3_ray.drafter.ttt_cache import FixedLengthTTTCache
+from eagle3_ray.drafter.ttt_memory import built_mask, chunked_soft_ce, recomputed_step
 
 FLEX_BLOCK = 128  # flex_attention's default block size; T is padded to a multiple of it
 
@@ -176,28 +188,6 @@ def ttt_block_mask(seq_ids: torch.Tensor, step: int, ttt_steps: int):
         return prefix | ((block > 0) & (block <= step) & (key == q))
 
     return create_block_mask(mask_mod, b, None, t, ttt_steps * t, device=seq_ids.device)
-
-
-class FixedLengthTTTCache(DrafterKVCache):
-    """KV cache of constant length ``ttt_steps * T``: step j's keys in block j, zeros after the last
-    written block. Constant shapes let a compiled flex kernel serve every TTT step.
-
-    Built functionally (``cat``), not by writing into a buffer: earlier steps' saved tensors must
-    not change under autograd.
-    """
-
-    def __init__(self, ttt_steps: int) -> None:
-        super().__init__()
-        self.ttt_steps = ttt_steps
-        self.keys: list[torch.Tensor] = []  # per step [B, kv, T, D]
-        self.values: list[torch.Tensor] = []
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys.append(k)
-        self.values.append(v)
-        assert len(self.keys) <= self.ttt_steps
-        pad = [torch.zeros_like(k)] * (self.ttt_steps - len(self.keys))
-        return torch.cat(self.keys + pad, dim=2), torch.cat(self.values + pad, dim=2)
 
 
 def _pad_batch(batch: dict[str, torch.Tensor], multiple: int, at_least: int | None) -> dict[str, torch.Tensor]:
@@ -372,6 +362,8 @@ def ttt_forward(
     row_tokens: int | None = None,
     loss_kernel: Literal["auto", "torch", "triton"] = "auto",
     walk_steps: int = 0,
+    loss_chunk_tokens: int = 0,
+    recompute_steps: bool = False,
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
 
@@ -390,6 +382,8 @@ def ttt_forward(
     ``loss_kernel``: how each step's soft cross-entropy runs (`drafter.soft_ce`; the same function).
     ``walk_steps`` (evaluation): also replay chain decoding of that many drafts per cycle over the
     batch's assistant turns (`chain_walk`; at most ``ttt_steps``), into ``TTTOutput.walk``.
+    ``loss_chunk_tokens`` (0 = off) and ``recompute_steps``: the memory options of long samples (module
+    docstring); they change what is kept for the backward, not the result.
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
     if attention == "flex":
@@ -418,10 +412,18 @@ def ttt_forward(
         valid = scored_mask & servable
         if attention == "varlen":
             mask = segments
+        elif attention == "flex":
+            mask = ttt_block_mask(seq, i, ttt_steps)
+        else:  # sdpa: built where it is used (under recompute_steps, again in the backward: never kept)
+            mask = functools.partial(ttt_attention_mask, seq, i)
+        if recompute_steps and torch.is_grad_enabled():
+            hidden = recomputed_step(drafter, _shift(ids, ahead), hidden, pos + i, mask, cache)
         else:
-            mask = ttt_block_mask(seq, i, ttt_steps) if attention == "flex" else ttt_attention_mask(seq, i)
-        hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=mask, cache=cache)
-        ce, pred = soft_cross_entropy(drafter.logits(hidden), target_p, ahead, loss_kernel)  # [B, T] each
+            hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=built_mask(mask), cache=cache)
+        if loss_chunk_tokens > 0:
+            ce, pred = chunked_soft_ce(drafter, hidden, target_p, ahead, loss_kernel, loss_chunk_tokens)
+        else:
+            ce, pred = soft_cross_entropy(drafter.logits(hidden), target_p, ahead, loss_kernel)  # [B, T] each
         w = valid.float()
         count = w.sum()
         ce_i = (ce * w).sum() / count.clamp(min=1)

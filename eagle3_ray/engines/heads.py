@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_ray.atomic import write_file
 from eagle3_ray.config import TargetConfig
+from eagle3_ray.engines.targets import ResolvedTarget, load_target
 from eagle3_ray.errors import TargetLoadError
 
 HEADS_FILE = "target_heads.safetensors"
@@ -56,17 +57,15 @@ def _from_files(model_dir: Path) -> dict[str, torch.Tensor] | None:
     return {EMBED: embed, LM_HEAD: head}
 
 
-def save_target_heads(cfg: TargetConfig, out_dir: str | Path) -> Path:
-    """Write `target_heads.safetensors` (embed_tokens [V, H], lm_head [V, H]) into `out_dir`."""
-    from eagle3_ray.engines.targets import load_target, resolve_target
-
+def save_target_heads(cfg: TargetConfig, resolved: ResolvedTarget, out_dir: str | Path) -> Path:
+    """Write `target_heads.safetensors` (embed_tokens [V, H], lm_head [V, H]) into `out_dir`, read
+    from the files ``cfg.model`` resolved to (``describe``'s ``resolved``)."""
     path = Path(out_dir) / HEADS_FILE
     if path.is_file():
         return path
-    resolved = resolve_target(cfg.model, cfg.cache_dir)
     heads = _from_files(Path(resolved.model_path)) if resolved.model_path is not None else None
     if heads is None:
-        model = load_target(cfg.model_copy(update={"device": "cpu"}), device="cpu").model
+        model = load_target(cfg.model_copy(update={"device": "cpu"}), device="cpu", resolved=resolved).model
         out_emb = model.get_output_embeddings()
         if out_emb is None:
             raise TargetLoadError(f"target.model={cfg.model!r} has no lm_head; EAGLE-3 needs a causal LM")

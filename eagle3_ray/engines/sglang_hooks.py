@@ -67,7 +67,7 @@ def capture_path(directory: str | Path, rid: str) -> Path:
     return Path(directory) / f"{rid}{CAPTURE_SUFFIX}"
 
 
-def _world_rank() -> int:
+def world_rank() -> int:
     # SGLang's WORLD rank is ep_join_rank_offset + tp_size * pp_rank + tp_rank
     # (sglang/srt/runtime_context.py:spawn_world_rank); the offset is 0 outside elastic EP.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -85,45 +85,45 @@ def _is_prefill(forward_batch: Any) -> bool:
 _LAYER_ROWS: dict[str, dict[int, torch.Tensor]] = {}
 
 
-# Capture cut short, for benchmarks that locate the capture's cost (never set by the product):
-# "rows" gathers the batch's rows on the device and stops; "copy" also copies them to host memory
-# (the writer waits for the copy) and writes no file.
-PROBES = ("rows", "copy")
-
-
 def capture_hook_factory(config: dict[str, Any]) -> Callable | None:
     """``hook_factory`` of the ``logits_processor`` spec.
 
-    config = {"dir": str, "tp_size": int, "layer_slots": int, "probe": optional}; ``layer_slots`` > 0
-    means the aux states come from that many layer hooks (``layer_hook_factory``) rather than from
-    SGLang; ``probe``: one of PROBES (benchmarks only). Returns None on TP ranks other than 0;
-    SGLang then registers nothing there.
+    config = {"dir": str, "tp_size": int, "layer_slots": int}; ``layer_slots`` > 0 means the aux
+    states come from that many layer hooks (``layer_hook_factory``) rather than from SGLang. Returns
+    None on TP ranks other than 0; SGLang then registers nothing there.
     """
-    directory = Path(config["dir"])
-    probe = config.get("probe")
-    if probe is not None and probe not in PROBES:
-        raise ValueError(f"capture hook probe {probe!r} is not one of {PROBES}")
-    if _world_rank() % int(config["tp_size"]) != 0:
+    if world_rank() % int(config["tp_size"]) != 0:
         return None
+    directory = Path(config["dir"])
     directory.mkdir(parents=True, exist_ok=True)
-    slots = int(config.get("layer_slots", 0))
-    key = str(directory)
+    slots, key = int(config.get("layer_slots", 0)), str(directory)
 
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-        forward_batch = args[BATCH_ARG]
-        if not _is_prefill(forward_batch):
-            return None
-        if slots:
-            parked = _LAYER_ROWS.pop(key, {})
-            aux = [parked[j] for j in range(slots)] if len(parked) == slots else None
-        else:
-            aux = args[AUX_ARG] if len(args) > AUX_ARG else None
-        if aux is None:
-            return None  # capture not enabled: the engine reports the missing files with the cause
-        write_batch(directory, forward_batch, args[HIDDEN_ARG], aux, probe)
+        t0 = time.perf_counter()
+        batch = batch_rows(args, slots, key)
+        if batch is not None:
+            write_batch(directory, *batch, t0=t0)
         return None
 
     return hook
+
+
+def batch_rows(args: tuple, slots: int, key: str) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    """(forward_batch, hidden [N, H], aux [N, 3H]) of the prefill batch a ``logits_processor`` call
+    was given (``args``, its positional arguments), or None: a decode or verify batch, or capture not
+    enabled. ``slots`` > 0: the aux rows are the ones that many layer hooks parked under ``key``."""
+    forward_batch = args[BATCH_ARG]
+    if not _is_prefill(forward_batch):
+        return None
+    if slots:
+        parked = _LAYER_ROWS.pop(key, {})
+        aux = [parked[j] for j in range(slots)] if len(parked) == slots else None
+    else:
+        aux = args[AUX_ARG] if len(args) > AUX_ARG else None
+    if aux is None:
+        return None  # capture not enabled: the engine reports the missing files with the cause
+    aux_packed = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)  # [N, 3H]
+    return forward_batch, args[HIDDEN_ARG], aux_packed
 
 
 def layer_hook_factory(config: dict[str, Any]) -> Callable | None:
@@ -132,7 +132,7 @@ def layer_hook_factory(config: dict[str, Any]) -> Callable | None:
     The hook sits on a decoder layer whose forward is ``(positions, hidden_states, forward_batch,
     residual, ...) -> (hidden_states, residual[, ...])`` and parks ``hidden_states + residual`` [N, H].
     """
-    if _world_rank() % int(config["tp_size"]) != 0:
+    if world_rank() % int(config["tp_size"]) != 0:
         return None
     key, slot = str(Path(config["dir"])), int(config["slot"])
 
@@ -150,20 +150,17 @@ def write_batch(
     directory: Path,
     forward_batch: Any,
     hidden: torch.Tensor,  # [N, H] post-final-norm
-    aux: torch.Tensor | list[torch.Tensor],  # [N, 3H] packed, or three [N, H]
-    probe: str | None = None,
+    aux: torch.Tensor,  # [N, 3H]
+    t0: float | None = None,
 ) -> None:
-    """Hand one extend batch to the writer threads, which split it into per-request files.
+    """Hand one extend batch to the writer threads, which write it as one file linked per request.
 
     On CUDA the rows go to pinned host buffers with non-blocking copies on a side stream, so the
     forward is not stalled by the device-to-host copy or the file writes; a writer waits for the
     copy's event, then writes. ``flush()`` waits until every batch handed over so far is written.
-    ``probe`` (PROBES, benchmarks only) stops short of the copy or of the files.
+    ``t0``: when the hook began (the writer's ``hook_s`` counts from it; default: now).
     """
-    t0 = time.perf_counter()
-    aux_packed = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)  # [N, 3H]
-    if probe == "rows":
-        return
+    t0 = time.perf_counter() if t0 is None else t0
     lens = forward_batch.extend_seq_lens_cpu
     if lens is None:
         lens = forward_batch.extend_seq_lens.tolist()
@@ -171,8 +168,8 @@ def write_batch(
     # zip stops at the real requests: padded batch slots have no rid.
     reqs = [(rid, int(n), int(c)) for rid, n, c in zip(forward_batch.rids, lens, prefix)]
     rows = sum(n for _, n, _ in reqs)
-    host_aux, host_last, ready = _to_host(aux_packed[:rows], hidden[:rows])
-    _writer().put(Path(directory), [] if probe == "copy" else reqs, host_aux, host_last, ready, t0)
+    host_aux, host_last, ready = to_host(aux[:rows], hidden[:rows])
+    writer().put(Path(directory), reqs, host_aux, host_last, ready, t0)
 
 
 def flush(timeout: float | None = None) -> None:
@@ -182,7 +179,7 @@ def flush(timeout: float | None = None) -> None:
         w.flush(timeout)
 
 
-def _to_host(aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def to_host(aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Start copying both tensors to host memory; returns them and an event to wait on (or None)."""
     if not aux.is_cuda:
         return aux.detach().clone(), last.detach().clone(), None
@@ -213,7 +210,8 @@ MAX_PENDING_BATCHES = 8
 WRITERS_ENV = "EAGLE3_RAY_CAPTURE_WRITERS"
 DEFAULT_WRITERS = 1
 # Written next to the captures whenever the writers catch up (no batch waiting: each write is four
-# system calls, each a wait for the GIL, module docstring): where the hook's time goes (_Writer.stats).
+# system calls, each a wait for the GIL, module docstring): where the hook's time goes (_Writer.stats),
+# for whoever watches a capture run (docs/sglang.md, step 3).
 STATS_FILE = "writer-stats.json"
 
 
@@ -238,6 +236,8 @@ class _Writer:
 
     def put(self, directory: Path, reqs: list, host_aux: torch.Tensor, host_last: torch.Tensor, ready: Any,
             t0: float | None = None) -> None:
+        """Queue a batch's host rows (``ready``: the copy's event, or None) for a writer; with no
+        ``reqs`` the writer waits for the copy and writes nothing."""
         with self._done:
             self._submitted += 1
         t = time.perf_counter()
@@ -295,20 +295,12 @@ def _write_stats(path: Path, stats: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_writer_stats(directory: str | Path) -> dict | None:
-    """The `_Writer.stats` a scheduler process last wrote into the capture ``directory`` (None before
-    its first batch)."""
-    try:
-        return json.loads((Path(directory) / STATS_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 _WRITER: _Writer | None = None
 _WRITER_LOCK = threading.Lock()
 
 
-def _writer() -> _Writer:
+def writer() -> _Writer:
+    """This process's writer threads (started on first use)."""
     global _WRITER
     with _WRITER_LOCK:
         if _WRITER is None:

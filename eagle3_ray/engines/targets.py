@@ -21,7 +21,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from eagle3_ray.atomic import publish_dir
 from eagle3_ray.config import TargetConfig
@@ -208,6 +208,25 @@ def check_target_spec(spec: str) -> None:
     raise TargetLoadError(f"target.model={spec!r} is neither an existing path nor a known form; {_SPEC_HELP}")
 
 
+def peek_text_config(spec: str, cache_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The target's (text) config as its config.json has it, when that file is on disk already (a
+    GGUF converted before), else None: nothing is converted or loaded, and torch is not imported."""
+    spec = spec.strip()
+    try:
+        if spec.startswith(RANDOM_PREFIX):
+            path = _random_config(spec)
+        elif spec == "smollm2" or spec.endswith(".gguf"):
+            gguf = embedded_gguf() if spec == "smollm2" else Path(spec).expanduser().resolve()
+            path = converted_dir(gguf, cache_dir) / "config.json"
+        else:
+            path = Path(spec).expanduser() / "config.json"
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    return text if isinstance(text, dict) else raw if isinstance(raw, dict) else None
+
+
 def _random_config(spec: str) -> Path:
     rest = spec[len(RANDOM_PREFIX):]
     if rest.startswith(BUILTIN_PREFIX):
@@ -250,11 +269,13 @@ def resolve_device(device: str | torch.device | None, cfg_device: str) -> torch.
     return torch.device(choice)
 
 
-def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> LoadedTarget:
-    """Load model (eval, frozen) and tokenizer; ``device`` overrides ``cfg.device``."""
+def load_target(cfg: TargetConfig, device: str | torch.device | None = None,
+                resolved: ResolvedTarget | None = None) -> LoadedTarget:
+    """Load model (eval, frozen) and tokenizer; ``device`` overrides ``cfg.device``; ``resolved``:
+    ``cfg.model`` resolved already (else resolved here)."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_target(cfg.model, cfg.cache_dir)
+    resolved = resolved or resolve_target(cfg.model, cfg.cache_dir)
     dev = resolve_device(device, cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
     model = _load_model(resolved, cfg.seed, dtype, dev).to(dev).eval()

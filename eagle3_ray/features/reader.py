@@ -15,8 +15,15 @@ from typing import Any, Iterator, Literal
 import numpy as np
 
 from eagle3_ray.errors import ConfigError, StoreError
-from eagle3_ray.features import shards
-from eagle3_ray.features.shards import CorruptShard, ShardInfo, marker_files, shard_path
+from eagle3_ray.features.shards import (
+    CorruptShard,
+    ShardInfo,
+    load_shard,
+    marker_files,
+    open_shard,
+    read_sample,
+    shard_path,
+)
 from eagle3_ray.features.store import StoreMeta, read_meta
 
 logger = logging.getLogger(__name__)
@@ -70,7 +77,7 @@ class FeatureStore:
         if k in self._handles:
             self._handles.move_to_end(k)
         else:
-            self._handles[k] = shards.open_shard(self.shards[k].path)
+            self._handles[k] = open_shard(self.shards[k].path)
             if len(self._handles) > self._MAX_OPEN:
                 self._handles.popitem(last=False)
         return self._handles[k]
@@ -86,8 +93,8 @@ class FeatureStore:
             raise IndexError(f"sample index {i} out of range for a store of {len(self)} samples")
         k, j = (int(x) for x in self._loc[i])
         start, end = (int(x) for x in self.shards[k].offsets[j:j + 2])
-        return shards.read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact,
-                                  as_stored=as_stored)
+        return read_sample(self._handle(k), self.shards[k].sample_ids[j], start, end, self.meta.compact,
+                           as_stored=as_stored)
 
     def close(self) -> None:
         """Release the open shard files (reading again reopens them)."""
@@ -112,7 +119,7 @@ def open_store(root: str | Path, on_corrupt: Literal["abort", "skip"] = "abort",
     infos, skipped = [], []
     for m in marker_files(root):
         try:
-            infos.append(shards.load_shard(m, meta.compact, meta.hidden_size, meta.aux_layers, verify))
+            infos.append(load_shard(m, meta.compact, meta.hidden_size, meta.aux_layers, verify))
         except CorruptShard as e:
             path = shard_path(m)
             if on_corrupt == "abort":

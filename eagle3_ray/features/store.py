@@ -36,7 +36,6 @@ import numpy as np
 from eagle3_ray import __version__, atomic
 from eagle3_ray.atomic import TMP_PREFIX, open_exclusive, remove_quietly
 from eagle3_ray.errors import ConfigError, StoreError
-from eagle3_ray.features import shards
 from eagle3_ray.features.compact import check_format, compact_record
 from eagle3_ray.features.record import (
     SAMPLE_ID,
@@ -46,7 +45,25 @@ from eagle3_ray.features.record import (
     to_torch_record,
     validate_record,
 )
-from eagle3_ray.features.shards import FORMAT_VERSION, marker_files, marker_path, shard_intact, shard_path
+from eagle3_ray.features.shards import (
+    FORMAT_VERSION,
+    MARKER_SUFFIX,
+    SHARD_SUFFIX,
+    existing_seqs,
+    marker_bytes,
+    marker_file,
+    marker_files,
+    marker_path,
+    read_marker,
+    read_token_columns,
+    shard_file,
+    shard_intact,
+    shard_metadata,
+    shard_name,
+    shard_path,
+    shards_dir,
+    stream_shard,
+)
 from eagle3_ray.rejects import REJECTS_FILE, append_rejects, rejected_ids
 
 logger = logging.getLogger(__name__)
@@ -185,7 +202,7 @@ def create_store(root: str | Path, meta: StoreMeta) -> StoreMeta:
     """Create the store at ``root`` for ``meta``, or check that the one there matches (as
     ``ensure_meta``); returns the store's meta. Call before any work that writes to it."""
     meta = ensure_meta(root, meta)
-    shards.shards_dir(root).mkdir(exist_ok=True)
+    shards_dir(root).mkdir(exist_ok=True)
     return meta
 
 
@@ -198,7 +215,7 @@ def manifest(root: str | Path) -> list[dict[str, Any]]:
     out = []
     for m in marker_files(root):
         try:
-            out.append(shards.read_marker(m))
+            out.append(read_marker(m))
         except (OSError, ValueError) as e:
             logger.warning("ignoring unreadable completion marker %s: %s", m, e)
     return out
@@ -208,7 +225,7 @@ def _completed_markers(root: str | Path) -> Iterator[tuple[Path, dict[str, Any]]
     """(marker path, marker) of every completed shard: marker readable, shard of the recorded size."""
     for m in marker_files(root):
         try:
-            marker = shards.read_marker(m)
+            marker = read_marker(m)
         except (OSError, ValueError):
             continue
         if shard_intact(m, marker):
@@ -227,7 +244,7 @@ def committed_tokens(root: str | Path) -> Iterator[tuple[str, np.ndarray, np.nda
     whose header cannot be read is passed over here (the readers' ``on_corrupt`` policy decides)."""
     for m, marker in _completed_markers(root):
         try:
-            offsets, ids, mask = shards.read_token_columns(shard_path(m), with_offsets=True)
+            offsets, ids, mask = read_token_columns(shard_path(m), with_offsets=True)
         except Exception:  # noqa: BLE001 (safetensors raises its own types for a bad header)
             continue
         for k, sid in enumerate(marker["sample_ids"]):
@@ -245,14 +262,14 @@ def finished(root: str | Path, sample_ids: Sequence[str]) -> np.ndarray:
 def batch_committed(root: str | Path, writer_id: str) -> bool:
     """Whether ``writer_id``'s first shard is complete. A writer named after its batch (one shard
     per batch, as extraction's engine actors write) then has nothing left to redo."""
-    return shards.marker_file(root, shards.shard_name(writer_id, 0)).exists()
+    return marker_file(root, shard_name(writer_id, 0)).exists()
 
 
 def cleanup_orphans(root: str | Path) -> list[Path]:
     """Remove what a crash leaves behind: temp files, shards without a marker, and markers whose
     shard is missing or truncated. Only call while no writer is running on ``root`` (a live
     writer's shard is unmarked for a moment). Returns the removed paths."""
-    d = shards.shards_dir(root)
+    d = shards_dir(root)
     if not d.is_dir():
         return []
     removed: list[Path] = []
@@ -261,11 +278,11 @@ def cleanup_orphans(root: str | Path) -> list[Path]:
         p = d / name
         if name.startswith(TMP_PREFIX):
             removed.append(p)
-        elif name.endswith(shards.SHARD_SUFFIX) and marker_path(p).name not in names:
+        elif name.endswith(SHARD_SUFFIX) and marker_path(p).name not in names:
             removed.append(p)
-        elif name.endswith(shards.MARKER_SUFFIX):
+        elif name.endswith(MARKER_SUFFIX):
             try:
-                intact = shard_intact(p, shards.read_marker(p))
+                intact = shard_intact(p, read_marker(p))
             except (OSError, ValueError):
                 intact = False
             if not intact:
@@ -296,7 +313,7 @@ def _publish_shard(
     """Temp file, fsync, rename, fsync dir. Returns (bytes, sha256). On OSError nothing is left."""
     try:
         sha = atomic.write_stream(
-            shard, lambda f: shards.stream_shard(f, records, metadata, meta.compact, meta.hidden_size),
+            shard, lambda f: stream_shard(f, records, metadata, meta.compact, meta.hidden_size),
             _open_for_write)
     except OSError as e:
         raise _io_error(e, shard) from e
@@ -324,7 +341,7 @@ class FeatureStoreWriter:
         self.writer_id = writer_id
         self.node = dict(node) if node else None  # recorded in each marker: which Ray node wrote the shard
         self.shard_max_bytes = shard_max_bytes
-        self._seq = max(shards.existing_seqs(self.root, writer_id), default=-1) + 1
+        self._seq = max(existing_seqs(self.root, writer_id), default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
         self._buffer_bytes = 0
         self._bpt = bytes_per_token(self.meta.hidden_size, self.meta.compact)
@@ -354,9 +371,9 @@ class FeatureStoreWriter:
 
     def _next_name(self) -> str:
         while True:
-            name = shards.shard_name(self.writer_id, self._seq)
+            name = shard_name(self.writer_id, self._seq)
             self._seq += 1
-            if not (shards.shard_file(self.root, name).exists() or shards.marker_file(self.root, name).exists()):
+            if not (shard_file(self.root, name).exists() or marker_file(self.root, name).exists()):
                 return name
 
     def flush(self) -> Path | None:
@@ -365,16 +382,16 @@ class FeatureStoreWriter:
         if not self._buffer:
             return None
         name = self._next_name()
-        shard = shards.shard_file(self.root, name)
+        shard = shard_file(self.root, name)
         ids = [r[SAMPLE_ID] for r in self._buffer]
-        metadata = shards.shard_metadata(self.writer_id, ids, self.meta.aux_layers, self.meta.hidden_size,
-                                         self.meta.compact)
+        metadata = shard_metadata(self.writer_id, ids, self.meta.aux_layers, self.meta.hidden_size,
+                                  self.meta.compact)
         nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta)
         tokens = sum(record_num_tokens(r) for r in self._buffer)
         marker = marker_path(shard)
         try:
-            _write_atomic(marker, shards.marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha,
-                                                         self.node))
+            _write_atomic(marker, marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha,
+                                                  self.node))
         except OSError as e:
             remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
             raise _io_error(e, marker) from e

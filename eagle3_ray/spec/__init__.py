@@ -16,22 +16,15 @@ import torch
 
 from eagle3_ray.drafter.model import Eagle3Drafter
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.chain import Draft, Eagle3Proposer, Proposer, chain_generate
+from eagle3_ray.spec.chain import Eagle3Proposer, chain_generate
+from eagle3_ray.spec.drafts import Draft, DraftTree, Proposer
+from eagle3_ray.spec.plain import prompt_lookup_generate, target_generate, target_top2
 from eagle3_ray.spec.sampling import make_sampling
 from eagle3_ray.spec.static import StaticTarget
 from eagle3_ray.spec.static_draft import StaticProposer
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import (
-    TargetRunner,
-    check_max_new_tokens,
-    eos_set,
-    model_device,
-    prompt_lookup_generate,
-    prompt_tensor,
-    target_generate,
-    target_top2,
-)
-from eagle3_ray.spec.tree import DraftTree, tree_generate
+from eagle3_ray.spec.target import TargetRunner, check_max_new_tokens, eos_set, model_device, prompt_tensor
+from eagle3_ray.spec.tree import tree_generate
 
 __all__ = [
     "Draft",

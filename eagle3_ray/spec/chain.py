@@ -1,11 +1,12 @@
-"""Chain speculative decoding (top-1, K steps) and the proposer interface both modes draft through.
+"""Chain speculative decoding (top-1, K steps), and the eager EAGLE-3 proposer both modes draft with.
 
-The EAGLE-3 drafter (``Eagle3Proposer``) is fed exactly as in training (``drafter/ttt.py``):
-position p pairs fc(target aux state at p) with the token at p+1, and the i-th draft step's token
-sits at position ``committed + i``. After each verify, the drafter cache is cropped back to the
-committed pairs and extended with the target's aux states of the root and the accepted drafts,
-each paired with the token it produced (the accepted drafts, then the target's own next token).
-Draft-step keys are never kept: they were computed from drafted, not target, hidden states.
+The EAGLE-3 drafter (``Eagle3Proposer``, a ``spec.drafts.Proposer``) is fed exactly as in training
+(``drafter/ttt.py``): position p pairs fc(target aux state at p) with the token at p+1, and the i-th
+draft step's token sits at position ``committed + i``. After each verify, the drafter cache is
+cropped back to the committed pairs and extended with the target's aux states of the root and the
+accepted drafts, each paired with the token it produced (the accepted drafts, then the target's own
+next token). Draft-step keys are never kept: they were computed from drafted, not target, hidden
+states.
 
 One chain step::
 
@@ -17,47 +18,15 @@ One chain step::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
-
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+from eagle3_ray.spec.drafts import Draft, DraftTree, Proposer
+from eagle3_ray.spec.loop import speculate, start
 from eagle3_ray.spec.sampling import Sampling, accept_greedy_chain, probs, verify_chain
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import HostRead, TargetRunner, as_root, prefill
-from eagle3_ray.spec.tree import DraftTree, eagle2_tree
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor | list[int]  # [K] target vocab; on the device, the verify needs no host sync
-    q: torch.Tensor | None  # [K, V] distributions the ids were sampled from; None = deterministic
-
-    @property
-    def ids(self) -> list[int]:
-        """The drafts on the host (a sync when they are on the device)."""
-        return self.tokens.tolist() if isinstance(self.tokens, torch.Tensor) else list(self.tokens)
-
-
-@runtime_checkable
-class Proposer(Protocol):
-    """What chain and tree decoding need from a drafter; ``Eagle3Proposer`` is the real one."""
-
-    aux_layers: list[int]  # target hidden_states indices ``extend`` receives (concatenated)
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Start a generation for the [T] prompt (drops any previous state)."""
-
-    def extend(self, next_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """Commit m target states: ``aux`` [m, 3Ht] at the next m positions, each paired with the
-        token it produced, ``next_ids`` [m]. Discards every draft made since the last commit."""
-
-    def draft_chain(self, k: int, s: Sampling) -> Draft:
-        """K tokens following the last committed one."""
-
-    def draft_tree(self, topk: int, depth: int, total_tokens: int) -> DraftTree:
-        """A draft tree under the last committed token."""
+from eagle3_ray.spec.target import HostRead, TargetRunner, as_root
+from eagle3_ray.spec.tree import eagle2_tree
 
 
 class Eagle3Proposer:
@@ -156,18 +125,7 @@ def chain_generate(
     """Prefill, then draft K tokens and verify them until EOS or the length limit."""
     if s.greedy and hasattr(proposer, "chain_after_verify"):
         return _chain_generate_ahead(runner, proposer, prompt, tally, s, clock, num_steps)
-    token = prefill(runner, proposer, prompt, s)
-    done = tally.first(token)
-    root: int | torch.Tensor = token
-    clock.mark("prefill")
-    while not done:
-        draft = proposer.draft_chain(num_steps, s)
-        clock.mark("draft")
-        new_tokens, accepted, root = chain_step(runner, proposer, root, draft, s, clock)
-        done = tally.step(new_tokens, accepted)
-        clock.mark("accept")
-    seconds = clock.seconds()
-    return tally.stats(seconds, clock.parts())
+    return speculate(runner, proposer, prompt, tally, s, clock, lambda: proposer.draft_chain(num_steps, s), chain_step)
 
 
 def _chain_generate_ahead(
@@ -180,9 +138,7 @@ def _chain_generate_ahead(
     its copy out, the commit and next draft (one graph). The draft queued after the last verify is
     never used. Parts: ``verify``; ``accept``, the verdict and its copy out plus the device's wait for
     the host after the draft; ``draft``, the commit and the next draft."""
-    token = prefill(runner, proposer, prompt, s)
-    done = tally.first(token)
-    clock.mark("prefill")
+    token, done = start(runner, proposer, prompt, tally, s, clock)
     if done:
         return tally.stats(clock.seconds(), clock.parts())
     draft = proposer.draft_chain(k, s)

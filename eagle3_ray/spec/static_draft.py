@@ -1,6 +1,6 @@
 """The drafter side of speculative decoding on a preallocated KV cache, replayed as CUDA graphs.
 
-``StaticProposer`` is the ``Proposer`` of ``spec.chain`` over the same EAGLE-3 drafter as
+``StaticProposer`` is a ``Proposer`` (``spec/drafts.py``) over the same EAGLE-3 drafter as
 ``Eagle3Proposer`` (the eager reference), with the drafter's one attention layer reading and
 writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead of a growing cache:
 
@@ -42,10 +42,10 @@ import torch
 
 from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.chain import Draft
+from eagle3_ray.spec.drafts import Draft, DraftTree
 from eagle3_ray.spec.sampling import Sampling, probs
 from eagle3_ray.spec.spans import attention_spans, span_for
-from eagle3_ray.spec.tree import DraftTree, accepted_order, eagle2_depths, select_nodes
+from eagle3_ray.spec.tree import accepted_order, eagle2_depths, select_nodes
 
 log = logging.getLogger(__name__)
 

@@ -15,66 +15,14 @@ the sequence axis), whose keys/values were computed with the right positions and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
+from eagle3_ray.spec.drafts import DraftTree, Proposer, tree_layout
+from eagle3_ray.spec.loop import speculate, start
 from eagle3_ray.spec.sampling import Sampling, probs, sample, verify_children
 from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import HostRead, TargetRunner, as_root, prefill
-
-if TYPE_CHECKING:
-    from eagle3_ray.spec.chain import Proposer
-
-
-@dataclass
-class DraftTree:
-    """Draft tokens under the root (the last committed token), parents listed before children.
-
-    ``depth`` / ``visible``: the verify's layout (see ``layout``), computed on the tokens' device
-    by ``select_nodes`` (inside the drafter's CUDA graph on the static path); a tree built from
-    tokens and parents alone computes it on first use.
-    """
-
-    tokens: torch.Tensor  # [N] long, target vocab
-    parents: torch.Tensor  # [N] long, index into tokens; -1 = the root
-    depth: torch.Tensor | None = None  # [N+1] long, root-inclusive
-    visible: torch.Tensor | None = None  # [N+1, N+1] bool, root-inclusive ancestor-or-self
-
-    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(depth [N+1], ancestor-or-self mask [N+1, N+1] bool), row/column 0 = the root; on the
-        tokens' device, without a host sync."""
-        if self.depth is None or self.visible is None:
-            if self.parents.device.type == "cpu":  # a check a device tree would pay a sync for
-                n = self.parents.shape[0]
-                assert bool((self.parents < torch.arange(n)).all()) and bool((self.parents >= -1).all()), \
-                    "a parent must precede its children"
-            self.depth, self.visible = tree_layout(self.parents)
-        return self.depth, self.visible
-
-    def children(self) -> list[list[int]]:
-        """Per root-inclusive node, its children's root-inclusive indices in draft order."""
-        kids: list[list[int]] = [[] for _ in range(self.tokens.shape[0] + 1)]
-        for i, p in enumerate(self.parents.tolist()):
-            kids[p + 1].append(i + 1)
-        return kids
-
-
-def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Root-inclusive (depth [N+1], ancestor-or-self [N+1, N+1] bool) of a tree whose ``parents``
-    [N] (-1 = the root) precede their children: fixed-shape device ops (no host sync, graph-safe),
-    the ancestor relation closed by squaring the parent-or-self matrix ceil(log2(N+1)) times."""
-    n = parents.shape[0] + 1
-    up = torch.cat([parents.new_zeros(1), parents + 1])  # root-inclusive parent; the root's own is itself
-    # Row i: i and its parent (a scalar scatter: no host-to-device copy, which a graph capture refuses).
-    step = torch.eye(n, dtype=torch.float32, device=parents.device).scatter_(1, up[:, None], 1.0)
-    reach = step
-    for _ in range(max(1, (n - 1).bit_length())):  # paths of up to 2^j edges
-        reach = (reach @ reach).clamp_(max=1.0)  # 0/1 entries: exact in any matmul precision
-    visible = reach > 0
-    return visible.sum(-1) - 1, visible
+from eagle3_ray.spec.target import HostRead, TargetRunner, as_root
 
 
 @torch.no_grad()
@@ -280,18 +228,8 @@ def tree_generate(
     """Prefill, then draft a tree and verify it until EOS or the length limit."""
     if s.greedy and hasattr(proposer, "tree_after_verify"):
         return _tree_generate_ahead(runner, proposer, prompt, tally, s, clock, topk, depth, total_tokens)
-    token = prefill(runner, proposer, prompt, s)
-    done = tally.first(token)
-    root: int | torch.Tensor = token
-    clock.mark("prefill")
-    while not done:
-        tree = proposer.draft_tree(topk, depth, total_tokens)
-        clock.mark("draft")
-        new_tokens, accepted, root = tree_step(runner, proposer, root, tree, s, clock)
-        done = tally.step(new_tokens, accepted)
-        clock.mark("accept")
-    seconds = clock.seconds()
-    return tally.stats(seconds, clock.parts())
+    return speculate(runner, proposer, prompt, tally, s, clock,
+                     lambda: proposer.draft_tree(topk, depth, total_tokens), tree_step)
 
 
 def _tree_generate_ahead(
@@ -303,9 +241,7 @@ def _tree_generate_ahead(
     (``spec.chain._chain_generate_ahead``): the commit and the next tree are queued right behind the
     verify and its verdict, and the device drafts while the host reads the path, moves the target's
     keys onto it and counts."""
-    token = prefill(runner, proposer, prompt, s)
-    done = tally.first(token)
-    clock.mark("prefill")
+    token, done = start(runner, proposer, prompt, tally, s, clock)
     if done:
         return tally.stats(clock.seconds(), clock.parts())
     tree = proposer.draft_tree(topk, depth, total_tokens)

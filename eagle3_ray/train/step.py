@@ -54,6 +54,8 @@ class StepConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (`stepped` counts them)
     autocast: bool = False  # bf16 autocast on CUDA, for fp32 weights (DeepSpeed's bf16 module needs none)
     loss_kernel: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA where it imports; drafter/soft_ce.py)
+    loss_chunk_tokens: int = 0  # logits and soft cross-entropy in checkpointed chunks of this many tokens; 0 = whole
+    recompute_steps: bool = False  # each TTT step's activations recomputed in the backward (activation checkpointing)
 
     @classmethod
     def from_train(cls, t, attention: str, row_tokens: int | None = None, autocast: bool = False,
@@ -63,7 +65,8 @@ class StepConfig:
         None for ``t.loss_kernel``)."""
         return cls(ttt_steps=t.ttt_steps, loss_decay=t.loss_decay, attention=attention, pad_to=t.batch_tokens,
                    row_tokens=row_tokens, grad_accum=t.grad_accum, autocast=autocast,
-                   loss_kernel=loss_kernel or t.loss_kernel)
+                   loss_kernel=loss_kernel or t.loss_kernel, loss_chunk_tokens=t.loss_chunk_tokens,
+                   recompute_steps=t.recompute_ttt_steps)
 
 
 def resolve_attention(setting: str, device_type: str, head_dim: int | None = None,
@@ -161,7 +164,8 @@ class TrainStep:
         with self._autocast(batch["input_ids"]):
             return ttt_forward(self.engine.module, batch, self.lm_head, c.ttt_steps, c.loss_decay, c.attention,
                                pad_to=c.pad_to, row_tokens=c.row_tokens, loss_kernel=c.loss_kernel,
-                               walk_steps=walk_steps)
+                               walk_steps=walk_steps, loss_chunk_tokens=c.loss_chunk_tokens,
+                               recompute_steps=c.recompute_steps)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """Forward, backward, and the engine's step (the optimizer steps at the end of each window)."""

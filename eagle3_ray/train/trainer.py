@@ -27,7 +27,7 @@ from eagle3_ray.data.groups import base_id, sample_groups
 from eagle3_ray.data.vocab import VOCAB_FILE, data_fingerprint, load_vocab_map, vocab_fingerprint
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
-from eagle3_ray.engines.describe import describe_target, target_hf_config
+from eagle3_ray.engines.describe import DescribedTarget, describe
 from eagle3_ray.engines.heads import save_target_heads
 from eagle3_ray.errors import CheckpointError, ConfigError, StoreError
 from eagle3_ray.features import open_store
@@ -82,7 +82,8 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     store = open_store(features, on_corrupt=cfg.extract.on_corrupt_shard)
     if len(store) == 0:
         raise StoreError(f"feature store {features} is empty; run `eagle3-ray extract` first")
-    info = describe_target(cfg.target)
+    target = describe(cfg.target)
+    info = target.info
     check_compatible(
         store.meta,
         {"hidden_size": info.hidden_size, "aux_layers": list(info.aux_layers),
@@ -122,7 +123,7 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     if t.eval_only:  # which samples are trained on depends on them
         identity["eval_only"] = {g: t.val_groups[g] for g in t.eval_only}
     val_packs, val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens, t.seed)
-    train_plan = plan_run(cfg, store.lengths, data_fp, vocab, out, info, keep=keep, identity=identity,
+    train_plan = plan_run(cfg, store.lengths, data_fp, vocab, out, target, keep=keep, identity=identity,
                           val_packs=val_packs, val_pack_groups=val_pack_groups)
     if val_packs:
         named = Counter(groups[i] for i in held if groups[i] is not None)
@@ -150,13 +151,14 @@ def _check_vocab_left_out(vocab: str | Path, data_fp: str, target_fp: str, n_onl
         )
 
 
-def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, info, keep=None,
-             identity: dict[str, Any] | None = None, val_packs: list[Pack] | None = None,
+def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out: Path, target: DescribedTarget,
+             keep=None, identity: dict[str, Any] | None = None, val_packs: list[Pack] | None = None,
              val_pack_groups: dict[str, str] | None = None) -> TrainPlan:
     """Vocab checks, drafter shape, frozen heads, pack plan and run identity for samples of `lengths`
-    (int [N]); shared by offline training (store) and online training (prepared data). `keep`: the
-    sample indices to train on (default all; the rest are held out, in `val_packs`); `identity`: what
-    else a resumed checkpoint must match."""
+    (int [N]); shared by offline training (store) and online training (prepared data). `target`:
+    `cfg.target` described (once per run). `keep`: the sample indices to train on (default all; the
+    rest are held out, in `val_packs`); `identity`: what else a resumed checkpoint must match."""
+    info = target.info
     vocab_path = _vocab_file(vocab)
     d2t, t2d, vmeta = load_vocab_map(vocab_path)
     if vmeta.get("target_fingerprint") not in (None, info.fingerprint):
@@ -167,9 +169,9 @@ def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out:
     if len(t2d) != info.vocab_size:
         raise StoreError(f"vocab map {vocab_path} covers {len(t2d)} target ids, the target has {info.vocab_size}")
     drafter_cfg = DrafterConfig.from_target(
-        target_hf_config(cfg.target), len(d2t), list(info.aux_layers), cfg.train.drafter.model_dump()
+        target.hf_config, len(d2t), list(info.aux_layers), cfg.train.drafter.model_dump()
     )
-    heads = save_target_heads(cfg.target, out)
+    heads = save_target_heads(cfg.target, target.resolved, out)
     t = cfg.train
     if keep is None:
         packs = plan(lengths, t.batch_tokens, t.epochs, t.seed)

@@ -29,12 +29,22 @@ import torch
 import sglang.srt.server_args as server_args
 
 from eagle3_ray.config import BenchConfig, TargetConfig, load_config  # noqa: E402
-from eagle3_ray.engines import sglang as sg  # noqa: E402
 from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
-from eagle3_ray.errors import EngineError  # noqa: E402
-import eagle3_ray.engines.sglang_hooks as hooks_module  # noqa: E402
+from eagle3_ray.engines.sglang import SGLangEngine  # noqa: E402
+from eagle3_ray.engines.sglang_args import (  # noqa: E402
+    AUX_FLAG,
+    CAPTURE_SAMPLING,
+    MODES,
+    check_extra_kwargs,
+    check_server_args,
+    engine_kwargs,
+    generate_sampling,
+    server_args_fields,
+    sglang_aux_ids,
+)
+from eagle3_ray.engines.sglang_capture import read_capture  # noqa: E402
 from eagle3_ray.engines.sglang_hooks import (  # noqa: E402
-    AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, STATS_FILE, capture_path, flush, read_writer_stats,
+    AUX_ARG, BATCH_ARG, HIDDEN_ARG, LAYER_BATCH_ARG, STATS_FILE, capture_path, flush, writer,
 )
 from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
 
@@ -42,8 +52,8 @@ from conftest import source_root  # noqa: E402
 
 SRT = source_root() / "srt"
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = sg.server_args_fields()
-HAS_AUX_FLAG = sg.AUX_FLAG in FIELDS
+FIELDS = server_args_fields()
+HAS_AUX_FLAG = AUX_FLAG in FIELDS
 IS_STRUCT = hasattr(server_args.ServerArgs, "__struct_fields__")
 
 
@@ -137,7 +147,7 @@ def _target(target_dir, **changes) -> TargetConfig:
 def _kwargs(target_dir, mode, tmp_path, target=None):
     target = target or _target(target_dir, sglang={"nnodes": 2, "dist_init_addr": "10.0.0.1:5000",
                                                    "mem_fraction_static": 0.8})
-    return sg.engine_kwargs(target, mode, capture_dir=tmp_path, drafter_dir=tmp_path, bench=BenchConfig(), node_rank=1)
+    return engine_kwargs(target, mode, capture_dir=tmp_path, drafter_dir=tmp_path, bench=BenchConfig(), node_rank=1)
 
 
 def test_server_args_fields_are_read_the_way_the_version_defines_them():
@@ -154,11 +164,11 @@ def test_server_args_fields_are_read_the_way_the_version_defines_them():
             "sampling_defaults", "skip_tokenizer_init", "speculative_algorithm"} <= FIELDS
 
 
-@pytest.mark.parametrize("mode", sg.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_every_engine_kwarg_is_a_server_args_field(target_dir, tmp_path, mode):
     kw = _kwargs(target_dir, mode, tmp_path)
     assert set(kw) <= FIELDS, set(kw) - FIELDS
-    sg.check_server_args(kw)
+    check_server_args(kw)
     if IS_STRUCT:  # a Struct is built without resolving; the 0.5.17 dataclass resolves in __post_init__ (CUDA)
         args = server_args.ServerArgs(**kw)
         assert args.tp_size == 2 and args.nnodes == 2 and args.node_rank == 1
@@ -193,12 +203,12 @@ def test_layer_hook_capture_is_refused_for_models_without_the_layer_convention(t
     info = EngineInfo(model_type="glm4_moe", num_layers=32, hidden_size=64, vocab_size=512, aux_layers=[2, 16, 29],
                       dtype="bfloat16", fingerprint="x")
     with pytest.raises(ConfigError, match="enable_return_aux_hidden_states"):
-        sg.engine_kwargs(_target(target_dir), "capture", info=info, capture_dir=tmp_path, fields=frozenset())
+        engine_kwargs(_target(target_dir), "capture", info=info, capture_dir=tmp_path, fields=frozenset())
     deepseek = EngineInfo(model_type="deepseek_v3", num_layers=32, hidden_size=64, vocab_size=512,
                           aux_layers=[2, 16, 29], dtype="bfloat16", fingerprint="x")
     # tp_size 1: at TP the layer hooks are guarded per installed SGLang (test_tp_reduced.py).
-    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", info=deepseek, capture_dir=tmp_path,
-                             fields=frozenset())["forward_hooks"]
+    hooks = engine_kwargs(_target(target_dir, tp_size=1), "capture", info=deepseek, capture_dir=tmp_path,
+                          fields=frozenset())["forward_hooks"]
     assert [h["target_modules"] for h in hooks] == [["model.layers.1"], ["model.layers.15"], ["model.layers.28"],
                                                     ["logits_processor"]]
 
@@ -211,7 +221,7 @@ def test_generate_and_spec_kwargs(target_dir, tmp_path):
     assert spec["speculative_algorithm"] == "EAGLE3" and spec["speculative_draft_model_path"] == str(tmp_path)
     assert (spec["speculative_num_steps"], spec["speculative_eagle_topk"], spec["speculative_num_draft_tokens"]) == (
         b.depth, b.topk, b.total_tokens)
-    chain = sg.engine_kwargs(_target(target_dir), "spec", drafter_dir=tmp_path, bench=BenchConfig(modes=["chain"]))
+    chain = engine_kwargs(_target(target_dir), "spec", drafter_dir=tmp_path, bench=BenchConfig(modes=["chain"]))
     assert (chain["speculative_eagle_topk"], chain["speculative_num_draft_tokens"]) == (1, b.num_steps + 1)
 
 
@@ -231,27 +241,27 @@ def test_generate_and_spec_kwargs(target_dir, tmp_path):
 )
 def test_capture_breaking_extra_kwargs_are_refused(target_dir, tmp_path, extra, words):
     with pytest.raises(ConfigError, match=words):
-        sg.engine_kwargs(_target(target_dir, sglang={"extra_engine_kwargs": extra}), "capture", capture_dir=tmp_path)
+        engine_kwargs(_target(target_dir, sglang={"extra_engine_kwargs": extra}), "capture", capture_dir=tmp_path)
 
 
 def test_extra_kwargs_pass_through_where_harmless(target_dir, tmp_path):
     prefix_cache = _target(target_dir, sglang={"extra_engine_kwargs": {"disable_radix_cache": False}})
-    assert sg.engine_kwargs(prefix_cache, "generate")["disable_radix_cache"] is False  # decode may cache
+    assert engine_kwargs(prefix_cache, "generate")["disable_radix_cache"] is False  # decode may cache
     same = _target(target_dir, sglang={"extra_engine_kwargs": {"chunked_prefill_size": -1, "max_running_requests": 8}})
-    assert sg.engine_kwargs(same, "capture", capture_dir=tmp_path)["max_running_requests"] == 8
+    assert engine_kwargs(same, "capture", capture_dir=tmp_path)["max_running_requests"] == 8
     with pytest.raises(ConfigError, match="not ServerArgs fields"):
-        sg.check_server_args({**sg.engine_kwargs(_target(target_dir), "generate"), "max_runing_requests": 8})
+        check_server_args({**engine_kwargs(_target(target_dir), "generate"), "max_runing_requests": 8})
 
 
 def test_multinode_needs_dist_init_addr(target_dir):
     with pytest.raises(ConfigError, match="dist_init_addr"):
-        sg.engine_kwargs(_target(target_dir, sglang={"nnodes": 2}), "generate")
+        engine_kwargs(_target(target_dir, sglang={"nnodes": 2}), "generate")
 
 
 def test_sampling_params_are_sglang_fields():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    for params in (sg.CAPTURE_SAMPLING, sg.generate_sampling(32, 0.0, 1.0, 0), sg.generate_sampling(32, 0.7, 0.9, 3)):
+    for params in (CAPTURE_SAMPLING, generate_sampling(32, 0.0, 1.0, 0), generate_sampling(32, 0.7, 0.9, 3)):
         assert set(params) <= set(SamplingParams.__struct_fields__)
         assert SamplingParams(**params).max_new_tokens == params["max_new_tokens"]
 
@@ -323,8 +333,8 @@ def test_sglang_registers_our_hook_which_writes_each_request(
 
     seqs, per_request = hf_rows
     # The hook of the enable_return_aux_hidden_states path (0.5.23); the layer-hook path: further down.
-    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
-                             fields=frozenset({sg.AUX_FLAG}))["forward_hooks"]
+    hooks = engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
+                          fields=frozenset({AUX_FLAG}))["forward_hooks"]
     model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
     register_forward_hooks(model, hooks)
     assert len(model.logits_processor._forward_hooks) == 1
@@ -334,18 +344,18 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     aux_arg = aux if packed else list(aux.split(64, dim=-1))  # DeepSeek packs, Llama passes a list
     rids = ["req-a", "req-b"]
     batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, rids, [len(s) for s in seqs])
-    before = hooks_module._WRITER.stats() if hooks_module._WRITER else {"rows": 0, "bytes": 0}
+    before = writer().stats()  # the process's writer's account since its start
     rows_before, bytes_before = before["rows"], before["bytes"]
     logits = model(torch.cat(seqs), last, batch, aux_arg)
     assert logits.shape == (aux.shape[0], 512)  # the hook leaves the output alone
     flush(timeout=30)  # the hook's writer thread writes the files
 
     for rid, seq, (want_aux, want_last) in zip(rids, seqs, per_request):
-        cap = sg.read_capture(capture_path(tmp_path, rid), len(seq), hidden_size=64)
+        cap = read_capture(capture_path(tmp_path, rid), len(seq), hidden_size=64)
         assert torch.equal(cap.aux_hidden, want_aux) and torch.equal(cap.last_hidden, want_last)
         assert not capture_path(tmp_path, rid).exists()  # read_capture deletes
     assert _left(tmp_path) == []  # no temporary files left behind
-    stats = read_writer_stats(tmp_path)  # the process's writer's account (since its start), next to the captures
+    stats = json.loads((tmp_path / STATS_FILE).read_text())  # the writer's account, next to the captures
     assert stats["rows"] - rows_before == aux.shape[0]
     assert stats["bytes"] - bytes_before == aux.numel() * aux.element_size() + last.numel() * last.element_size()
 
@@ -358,31 +368,31 @@ def test_sglang_registers_our_hook_which_writes_each_request(
 
 
 @pytest.mark.parametrize("probe", ["rows", "copy"])
-def test_a_probe_hook_stops_short_and_writes_no_file(target_dir, tmp_path, forward_batch_cls, forward_mode, hf_rows,
-                                                     probe):
-    """Benchmarks cut the capture short to find its cost: "rows" hands nothing to the writer, "copy"
-    has the writer wait for the host copy of the batch; neither writes a capture. A probe the hook
-    does not know fails at registration."""
+def test_the_benchmarks_probe_hook_stops_short_and_writes_no_file(target_dir, tmp_path, forward_batch_cls,
+                                                                  forward_mode, hf_rows, probe):
+    """benchmarks/device/sglang_capture_probe.py cuts the capture short to find its cost, loaded by
+    SGLang in place of the product's hook: "rows" hands nothing to the writer, "copy" has the writer
+    wait for the host copy of the batch; neither writes a capture. A probe it does not know fails at
+    registration."""
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
+    from benchmarks.device.sglang_capture_probe import probe_hooks
+
     seqs, per_request = hf_rows
-    hooks = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
-                             fields=frozenset({sg.AUX_FLAG}))["forward_hooks"]
-    bad = [{**hooks[0], "config": {**hooks[0]["config"], "probe": "disk"}}]
+    hooks = engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
+                          fields=frozenset({AUX_FLAG}))["forward_hooks"]
     with pytest.raises(ValueError, match="probe 'disk'"):
-        register_forward_hooks(TinyTargetWithLogitsProcessor(hidden=64, vocab=512), bad)
-    hooks[0]["config"]["probe"] = probe
+        register_forward_hooks(TinyTargetWithLogitsProcessor(hidden=64, vocab=512), probe_hooks(hooks, "disk"))
     model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
-    register_forward_hooks(model, hooks)
+    register_forward_hooks(model, probe_hooks(hooks, probe))
     aux = torch.cat([a for a, _ in per_request])
     last = torch.cat([h for _, h in per_request])
     batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["req-a", "req-b"], [len(s) for s in seqs])
     flush(timeout=30)
-    before = hooks_module._WRITER.stats()["batches"] if hooks_module._WRITER else 0
+    before = writer().stats()["batches"]
     model(torch.cat(seqs), last, batch, aux)
     flush(timeout=30)
-    after = hooks_module._WRITER.stats()["batches"] if hooks_module._WRITER else 0
-    assert after - before == (1 if probe == "copy" else 0)
+    assert writer().stats()["batches"] - before == (1 if probe == "copy" else 0)
     assert _left(tmp_path) == []
 
 
@@ -444,7 +454,7 @@ def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_b
     layers = tiny_llama_config.num_hidden_layers
     states = [torch.cat([o.hidden_states[i][0] for o in outs]) for i in range(layers + 1)]  # [N, H] each
     last = torch.cat([o.last_hidden_state[0] for o in outs])
-    kw = sg.engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path, fields=frozenset())
+    kw = engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path, fields=frozenset())
     model = FakeSGLangLlamaWithLayers(states, last, vocab=512, deepseek=deepseek)
     register_forward_hooks(model, kw["forward_hooks"])
     assert [len(model.model.layers[i]._forward_hooks) for i in range(layers)] == [int(i in (1, 2, 3)) for i in range(layers)]
@@ -454,7 +464,7 @@ def test_layer_hook_capture_writes_the_hf_states(target_dir, tmp_path, forward_b
     model(torch.cat(seqs), None, batch)
     flush(timeout=30)
     for rid, q, o in zip(rids, seqs, outs):
-        cap = sg.read_capture(capture_path(tmp_path, rid), len(q), hidden_size=64)
+        cap = read_capture(capture_path(tmp_path, rid), len(q), hidden_size=64)
         assert torch.allclose(cap.aux_hidden, torch.cat([o.hidden_states[k][0] for k in (2, 3, 4)], -1), atol=1e-6)
         assert torch.equal(cap.last_hidden, o.last_hidden_state[0])
     model(torch.cat(seqs)[:2], None, _forward_batch(forward_batch_cls, forward_mode.DECODE, rids, [1, 1]))
@@ -520,11 +530,11 @@ def test_reader_refuses_partial_captures(tmp_path, forward_batch_cls, forward_mo
     write_batch(tmp_path, cached, last[2:], aux[2:])
     flush(timeout=30)
     with pytest.raises(EngineError, match="prefix cache hit: 2"):
-        sg.read_capture(capture_path(tmp_path, "r"), len(seqs[0]), hidden_size=64)
+        read_capture(capture_path(tmp_path, "r"), len(seqs[0]), hidden_size=64)
     write_batch(tmp_path, _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["s"], [len(seqs[0])]), last, aux)
     flush(timeout=30)
     with pytest.raises(EngineError, match="hidden size"):
-        sg.read_capture(capture_path(tmp_path, "s"), len(seqs[0]), hidden_size=32)
+        read_capture(capture_path(tmp_path, "s"), len(seqs[0]), hidden_size=32)
 
 
 _RANK_SCRIPT = textwrap.dedent(
@@ -586,9 +596,9 @@ def test_translated_ids_capture_the_config_states(rel, cls, model_type, hf):
     num_layers = 32
     if model_type.startswith("deepseek") and hf[0] == 1:
         with pytest.raises(ConfigError, match="first index"):
-            sg.sglang_aux_ids(hf, model_type, num_layers)
+            sglang_aux_ids(hf, model_type, num_layers)
         return
-    ids = sg.sglang_aux_ids(hf, model_type, num_layers)
+    ids = sglang_aux_ids(hf, model_type, num_layers)
     assert _layers_captured(rel, cls, ids, num_layers) == hf
     if HAS_AUX_FLAG:  # capture-only ids (0.5.23) pass SGLang's range check; 0.5.17 has no such ids
         check_range = _sglang_def(
@@ -605,7 +615,7 @@ def test_default_ids_mean_the_same_states_everywhere(rel, cls, model_type):
 
 def test_last_layer_output_cannot_be_captured():
     with pytest.raises(ConfigError, match="last layer's output"):
-        sg.sglang_aux_ids([2, 16, 32], "llama", 32)
+        sglang_aux_ids([2, 16, 32], "llama", 32)
 
 
 # --- exported drafter vs llama_eagle3.py -----------------------------------------------------------
@@ -729,9 +739,9 @@ def test_presets_load_and_translate(name, model_type, layers, tp):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     assert cfg.target.backend == "sglang" and cfg.target.tp_size == tp and cfg.vocab.draft_vocab_size == 32000
     assert cfg.target.aux_layers == default_aux_layers(layers)
-    sg.sglang_aux_ids(cfg.target.aux_layers, model_type, layers)
+    sglang_aux_ids(cfg.target.aux_layers, model_type, layers)
     extra = cfg.target.sglang.extra_engine_kwargs
-    sg.check_extra_kwargs(extra, "capture")
+    check_extra_kwargs(extra, "capture")
     assert set(extra) <= FIELDS, set(extra) - FIELDS
     if tp == 8:
         assert cfg.ray.env_vars == NCCL
@@ -752,7 +762,7 @@ def test_benchmark_reads_the_counters_sglang_fills():
     cfg = load_config(REPO / "configs" / "smollm2-h200.yaml")
     for mode in ("plain", "chain", "tree"):
         kw = sb.mode_kwargs(cfg, mode, "/drafter", FIELDS)
-        sg.check_server_args(kw)
+        check_server_args(kw)
         assert kw[sb.GRAPH_MAX_BS] == max(cfg.bench.concurrency) and "disable_cuda_graph" not in kw
     record = sb.request_record({"output_ids": [1, 2], "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3,
                                                                     "spec_correct_drafts_histogram": [0, 1, 2]}}, 1.0)
@@ -824,8 +834,8 @@ def test_generate_calls_from_threads_share_the_engines_loop(target_dir):
     one thread of SGLangEngine), so they are inside SGLang together and each gets its own answers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate",
-                             engine_factory=lambda **kw: FakeSGLangEngineOnALoop())
+    engine = SGLangEngine(_target(target_dir, tp_size=1), mode="generate",
+                          engine_factory=lambda **kw: FakeSGLangEngineOnALoop())
     try:
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(lambda n: engine.generate([[1] * n], max_new_tokens=1), range(1, 9)))
@@ -841,7 +851,7 @@ def test_an_engine_without_a_loop_is_refused(target_dir):
             pass
 
     with pytest.raises(EngineError, match="no asyncio loop"):
-        sg.SGLangEngine(_target(target_dir, tp_size=1), mode="generate", engine_factory=lambda **kw: NoLoop())
+        SGLangEngine(_target(target_dir, tp_size=1), mode="generate", engine_factory=lambda **kw: NoLoop())
 
 
 def test_a_capture_dir_without_hard_links_is_refused_before_sglang_starts(target_dir, tmp_path, monkeypatch):
@@ -853,10 +863,10 @@ def test_a_capture_dir_without_hard_links_is_refused_before_sglang_starts(target
         raise OSError(errno.EPERM, "Operation not permitted")
 
     built = []
-    monkeypatch.setattr(sg.os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_links)
     cfg = _target(target_dir, tp_size=1, sglang={"capture_dir": str(tmp_path / "cap")})
     with pytest.raises(ConfigError, match="does not support hard links.*/dev/shm"):
-        sg.SGLangEngine(cfg, mode="capture", engine_factory=lambda **kw: built.append(kw))
+        SGLangEngine(cfg, mode="capture", engine_factory=lambda **kw: built.append(kw))
     assert built == [] and list((tmp_path / "cap").iterdir()) == []  # nothing started, nothing left
 
 
@@ -877,14 +887,14 @@ def test_hook_files_are_safetensors_both_ways(tmp_path, dtype):
     with safe_open(str(capture_path(tmp_path, "b")), "pt") as f:
         assert torch.equal(f.get_tensor("aux_hidden"), aux) and torch.equal(f.get_tensor("last_hidden"), last)
         assert json.loads(f.metadata()["requests"]) == {"a": [0, 2, 0], "b": [2, 3, 0]}
-    cap = sg.read_capture(capture_path(tmp_path, "b"), 3, hidden_size=4)
+    cap = read_capture(capture_path(tmp_path, "b"), 3, hidden_size=4)
     assert torch.equal(cap.aux_hidden, aux[2:]) and torch.equal(cap.last_hidden, last[2:])
-    cap = sg.read_capture(capture_path(tmp_path, "a"), 2, hidden_size=4)
+    cap = read_capture(capture_path(tmp_path, "a"), 2, hidden_size=4)
     assert torch.equal(cap.aux_hidden, aux[:2]) and torch.equal(cap.last_hidden, last[:2])
     assert list(tmp_path.iterdir()) == []
     save_file({"aux_hidden": aux, "last_hidden": last}, str(tmp_path / "c.safetensors"),
               metadata={"requests": json.dumps({"c": [0, 5, 0]})})
-    cap = sg.read_capture(tmp_path / "c.safetensors", 5, hidden_size=4)
+    cap = read_capture(tmp_path / "c.safetensors", 5, hidden_size=4)
     assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
     assert not list(tmp_path.glob("c*"))
 
@@ -895,7 +905,7 @@ def test_a_capture_file_without_the_request_is_refused(tmp_path):
     write_linked(tmp_path, [("a", 2, 0)], torch.randn(2, 12), torch.randn(2, 4))
     capture_path(tmp_path, "a").rename(capture_path(tmp_path, "z"))  # a link whose name is not in the file
     with pytest.raises(EngineError, match="holds no rows of request z"):
-        sg.read_capture(capture_path(tmp_path, "z"), 2, hidden_size=4)
+        read_capture(capture_path(tmp_path, "z"), 2, hidden_size=4)
 
 
 def test_several_writer_threads_write_every_request_and_flush_waits_for_all(tmp_path):
@@ -913,7 +923,7 @@ def test_several_writer_threads_write_every_request_and_flush_waits_for_all(tmp_
         want[f"b{b}-0"], want[f"b{b}-1"] = (aux[:3], last[:3]), (aux[3:], last[3:])
     w.flush(timeout=30)
     for rid, (a, h) in want.items():
-        cap = sg.read_capture(capture_path(tmp_path, rid), a.shape[0], hidden_size=4)
+        cap = read_capture(capture_path(tmp_path, rid), a.shape[0], hidden_size=4)
         assert torch.equal(cap.aux_hidden, a) and torch.equal(cap.last_hidden, h)
     st = w.stats()
     assert st["writers"] == 3 and st["batches"] == 7 and st["rows"] == 56 and st["bytes"] == 56 * 16 * 4

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import source_root
-from eagle3_ray.drafter import DrafterConfig, Eagle3Drafter, export_drafter, save_drafter_weights, translate_aux_ids
+from eagle3_ray.drafter import DrafterConfig, Eagle3Drafter, export_drafter, save_drafter_weights
+from eagle3_ray.engines.aux_layers import translate_aux_ids
 
 H, HT, VOCAB, DRAFT = 32, 32, 96, 48
 

@@ -33,7 +33,7 @@ import torch
 from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
 from eagle3_ray.config import load_config
-from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines.sglang_args import AUX_FLAG, engine_kwargs, server_args_fields
 from eagle3_ray.engines.describe import describe_target
 from eagle3_ray.engines.sglang_hooks import AUX_ARG
 from eagle3_ray.engines.sglang_modules import SGLANG_MODULES, ModulePaths, sglang_module_paths
@@ -43,8 +43,8 @@ from conftest import source_root
 
 SRT = source_root() / "srt"
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = sg.server_args_fields()
-HAS_AUX_FLAG = sg.AUX_FLAG in FIELDS
+FIELDS = server_args_fields()
+HAS_AUX_FLAG = AUX_FLAG in FIELDS
 LAYER_FACTORIES = {"make_layers", "make_pp_layers"}
 # Text CausalLMs of the table (no wrapper): what a wrapper's language model must be.
 CAUSAL_LMS = {arch for arch, paths in SGLANG_MODULES.items() if not paths.language_model}
@@ -272,10 +272,10 @@ def test_aux_path_refuses_a_wrapper_without_aux_states(tmp_path, kimi):
     target, info = kimi
     audio = dataclasses.replace(info, architectures=("Qwen2AudioForConditionalGeneration",))
     with pytest.raises(ConfigError, match="Qwen2AudioForConditionalGeneration does not hand set_eagle3"):
-        sg.engine_kwargs(target, "capture", info=audio, capture_dir=tmp_path, fields=FIELDS | {sg.AUX_FLAG})
+        engine_kwargs(target, "capture", info=audio, capture_dir=tmp_path, fields=FIELDS | {AUX_FLAG})
     # Without the flag the layer hooks serve it (tp 1: the TP guard is test_tp_reduced.py's).
-    hooks = sg.engine_kwargs(target.model_copy(update={"tp_size": 1}), "capture", info=audio, capture_dir=tmp_path,
-                             fields=FIELDS - {sg.AUX_FLAG})["forward_hooks"]
+    hooks = engine_kwargs(target.model_copy(update={"tp_size": 1}), "capture", info=audio, capture_dir=tmp_path,
+                          fields=FIELDS - {AUX_FLAG})["forward_hooks"]
     assert hooks[-1]["target_modules"] == ["language_model.logits_processor"]
 
 
@@ -320,7 +320,7 @@ def test_kimi_preset_hooks_register_once_each_in_kimi_k25(source, kimi, tmp_path
     each exactly once, through SGLang's own register_forward_hooks; the old top-level names match nothing."""
     monkeypatch.delenv("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE", raising=False)
     target, info = kimi
-    kw = sg.engine_kwargs(target, "capture", info=info, capture_dir=tmp_path, fields=FIELDS)
+    kw = engine_kwargs(target, "capture", info=info, capture_dir=tmp_path, fields=FIELDS)
     specs = kw["forward_hooks"]
     targets = [m for spec in specs for m in spec["target_modules"]]
     paths = SGLANG_MODULES["KimiK25ForConditionalGeneration"]

@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from eagle3_ray.config import TargetConfig
-from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines.sglang_args import server_args_fields
+from eagle3_ray.engines.sglang import SGLangEngine
 from eagle3_ray.engines import sglang_process as sp  # noqa: E402
 from eagle3_ray.errors import EngineStartError
 
@@ -175,7 +176,7 @@ def test_a_scheduler_failing_at_start_is_an_engine_start_error_naming_its_except
     quits = len(sp._sigquits)
     t = time.monotonic()
     with stderr_to(log), pytest.raises(EngineStartError) as err:
-        sg.SGLangEngine(target, mode="capture", engine_factory=FailingSGLangEngine)
+        SGLangEngine(target, mode="capture", engine_factory=FailingSGLangEngine)
     seconds = time.monotonic() - t
     msg = str(err.value)
     fake = FailingSGLangEngine.last
@@ -204,7 +205,7 @@ def test_without_a_log_file_the_message_says_where_the_traceback_went(target):
     os.close(write)
     try:
         with pytest.raises(EngineStartError) as err:
-            sg.SGLangEngine(target, mode="generate", engine_factory=FailingSGLangEngine)
+            SGLangEngine(target, mode="generate", engine_factory=FailingSGLangEngine)
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
@@ -222,7 +223,7 @@ def test_an_engine_constructor_that_raises_names_its_error(target, tmp_path):
         raise ValueError("mem_fraction_static=1.5 must be in (0, 1)")
 
     with stderr_to(tmp_path / "worker.err"), pytest.raises(EngineStartError) as err:
-        sg.SGLangEngine(target, mode="generate", engine_factory=refusing)
+        SGLangEngine(target, mode="generate", engine_factory=refusing)
     assert str(err.value) == (f"the SGLang engine (mode generate) of target.model={target.model!r} could not start: "
                               "ValueError: mem_fraction_static=1.5 must be in (0, 1)")
 
@@ -231,7 +232,7 @@ def test_sglang_registers_a_given_sigquit_handler_instead_of_its_own():
     """What launch_sglang relies on: ServerArgs takes custom_sigquit_handler, and the launch registers it
     in place of the handler that kills the process tree; a failing scheduler logs its traceback as
     "Scheduler hit an exception" and SIGQUITs its parent (the block the fake's scheduler runs)."""
-    assert sp.SIGQUIT_KWARG in sg.server_args_fields()
+    assert sp.SIGQUIT_KWARG in server_args_fields()
     src = ast.unparse(_function(SRT / "entrypoints" / "engine.py", "_set_envs_and_config"))
     assert re.search(r"if (\w+)\.custom_sigquit_handler is None:.*kill_process_tree\(os\.getpid\(\)\).*"
                      r"else:.*signal\.signal\(signal\.SIGQUIT, \1\.custom_sigquit_handler\)", src, re.S), src

@@ -33,7 +33,7 @@ import torch
 import sglang.srt.server_args as server_args
 
 from eagle3_ray.config import load_config
-from eagle3_ray.engines import sglang as sg
+from eagle3_ray.engines.sglang_args import AUX_FLAG, check_server_args, engine_kwargs, server_args_fields
 from eagle3_ray.engines import sglang_tp as tp
 from eagle3_ray.engines.base import EngineInfo
 from eagle3_ray.errors import ConfigError
@@ -42,8 +42,8 @@ from conftest import source_root
 
 SRT = source_root() / "srt"
 REPO = Path(__file__).resolve().parents[2]
-FIELDS = sg.server_args_fields()
-HAS_AUX_FLAG = sg.AUX_FLAG in FIELDS
+FIELDS = server_args_fields()
+HAS_AUX_FLAG = AUX_FLAG in FIELDS
 # SGLang whose layers hand their output on with the TP sum owed (0.5.23) vs LayerCommunicator (0.5.17).
 LAYER_BOUNDARY = (SRT / "layers/layer_boundary/output.py").is_file()
 ACCESSORS = {"get_exec", "get_parallel", "get_flags", "get_spec", "get_forward", "get_server_args"}
@@ -128,7 +128,7 @@ def _kimi_kwargs(kimi, tmp_path, fields=FIELDS, **extra):
         sglang = target.sglang.model_copy(update={"extra_engine_kwargs": {**target.sglang.extra_engine_kwargs,
                                                                           **extra}})
         target = target.model_copy(update={"sglang": sglang})
-    return sg.engine_kwargs(target, "capture", info=info, capture_dir=tmp_path, fields=fields)
+    return engine_kwargs(target, "capture", info=info, capture_dir=tmp_path, fields=fields)
 
 
 def _defaults() -> dict[str, Any]:
@@ -318,7 +318,7 @@ def test_sglang_turns_on_a_guarded_setting_only_where_the_guard_covers_it():
         return
     assert not LAYER_BOUNDARY and not tp.sglang_defers_layer_sums()
     safe = {k: v for k, (v, _) in {**tp.TP_FORCED, **tp.TP_REFUSED}.items()}
-    safe.update(enable_dp_attention=False)  # refused for every capture (sg._CAPTURE_REFUSED)
+    safe.update(enable_dp_attention=False)  # refused for every capture (sglang_args._CAPTURE_REFUSED)
     writers = _unsafe_writers(SRT, safe)
     assert set(writers) == set(WRITERS_0517), {k: writers.get(k) for k in set(writers) ^ set(WRITERS_0517)}
     guarded = {**tp.TP_FORCED, **tp.TP_REFUSED}
@@ -350,11 +350,11 @@ def test_kimi_tp8_capture_kwargs_exclude_every_condition(kimi, tmp_path, monkeyp
     targets = [m for h in kw["forward_hooks"] for m in h["target_modules"]]
     if HAS_AUX_FLAG:
         # SGLang's own aux states (captured after the sum completes, below); no decoder layer is hooked.
-        assert targets == ["language_model.logits_processor"] and kw[sg.AUX_FLAG] is True
+        assert targets == ["language_model.logits_processor"] and kw[AUX_FLAG] is True
         assert not set(tp.TP_FORCED) & set(kw)  # nothing of the layer-hook guard is needed here
         # Were the layer hooks taken here, every layer output would owe its sum: refused, saying why.
         with pytest.raises(ConfigError, match="partial sums.*sglang==0.5.23"):
-            _kimi_kwargs(kimi, tmp_path, fields=FIELDS - {sg.AUX_FLAG})
+            _kimi_kwargs(kimi, tmp_path, fields=FIELDS - {AUX_FLAG})
         return
     assert targets == ["language_model.model.layers.1", "language_model.model.layers.29",  # HF [2, 30, 58]
                        "language_model.model.layers.57", "language_model.logits_processor"]
@@ -368,7 +368,7 @@ def test_kimi_tp8_capture_kwargs_exclude_every_condition(kimi, tmp_path, monkeyp
         if key in FIELDS:
             assert defaults[key] == safe, key
     assert set(kw) <= FIELDS, set(kw) - FIELDS
-    sg.check_server_args(kw)
+    check_server_args(kw)
 
 
 UNSAFE = {
@@ -386,7 +386,7 @@ def test_a_setting_that_leaves_layer_outputs_unreduced_is_refused(kimi, tmp_path
     assert set(UNSAFE) == set(tp.TP_FORCED) | set(tp.TP_REFUSED)
     if HAS_AUX_FLAG:  # layer hooks here read owed sums whatever the setting: refused at TP as such
         with pytest.raises(ConfigError, match="partial sums"):
-            _kimi_kwargs(kimi, tmp_path, fields=FIELDS - {sg.AUX_FLAG}, **({key: UNSAFE[key]} if key in FIELDS else {}))
+            _kimi_kwargs(kimi, tmp_path, fields=FIELDS - {AUX_FLAG}, **({key: UNSAFE[key]} if key in FIELDS else {}))
         return
     assert key in FIELDS, key  # every one is a setting of the SGLang whose layers the engine hooks
     with pytest.raises(ConfigError, match=f"extra_engine_kwargs.{key}=.*tp_size=8.*remove it or set {key}="):
@@ -396,7 +396,7 @@ def test_a_setting_that_leaves_layer_outputs_unreduced_is_refused(kimi, tmp_path
 def test_the_environment_that_switches_moe_to_all_to_all_is_refused(kimi, tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE", "1")
     if HAS_AUX_FLAG:
-        assert _kimi_kwargs(kimi, tmp_path)[sg.AUX_FLAG]
+        assert _kimi_kwargs(kimi, tmp_path)[AUX_FLAG]
         return
     with pytest.raises(ConfigError, match="SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE.*megamoe"):
         _kimi_kwargs(kimi, tmp_path)
