@@ -1,7 +1,7 @@
 """Check that SGLang capture delivers the same hidden states as the HF backend, on a real GPU node.
 
 Needs CUDA and SGLang's kernel package (not in CI). The same comparison ran on the lent H200 with
-SGLang 0.5.17 through ``benchmarks/device/sglang_h200.py capture`` (figures in
+SGLang 0.5.17 through ``benchmarks/device/sglang_engine.py capture`` (figures in
 benchmarks/results/README.md). Run it on a node with ``pip install 'eagle3-ray[sglang]'`` and a
 target that fits both engines:
 

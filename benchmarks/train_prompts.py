@@ -14,7 +14,7 @@ second turns. GSM8K train is 7,473 of the 10,542 prompts; ``--max-gsm8k N`` keep
 ``--eval-only-mt-bench`` appends MT-bench's 80 questions (both turns) as ``mtbench-<question_id>``, for a
 run that holds them out of training whole (``train.eval_only``): the target answers them with the rest,
 and every held-out evaluation of the training reports the drafter's simulated tau on those answers
-(``benchmarks/device/product7_extra.txt`` names the groups). They are never trained on.
+(``benchmarks/device/overrides/product7.txt`` names the groups). They are never trained on.
 """
 
 from __future__ import annotations

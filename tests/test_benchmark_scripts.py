@@ -22,7 +22,7 @@ README = (BENCH / "README.md").read_text()
 
 PY = sorted([*BENCH.glob("*.py"), *(BENCH / "device").glob("*.py")])
 SH = sorted([*BENCH.glob("*.sh"), *(BENCH / "device").glob("*.sh")])
-OVERRIDES = sorted((BENCH / "device").glob("*_extra.txt"))
+OVERRIDES = sorted((BENCH / "device" / "overrides").glob("*.txt"))
 SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for p in (BENCH / "device").iterdir() if p.is_file()]])
 
 
@@ -108,7 +108,7 @@ def test_shell_script_parses(path):
 
 @pytest.mark.parametrize("path", OVERRIDES, ids=_id)
 def test_override_file_loads_with_the_preset(path):
-    """product_h200.sh passes EXTRA="$(cat <file>)" unquoted to `eagle3-ray run -c configs/smollm2-h200.yaml`."""
+    """product_run.sh passes EXTRA="$(cat <file>)" unquoted to `eagle3-ray run -c configs/smollm2-h200.yaml`."""
     from eagle3_ray.config import load_config
 
     words = path.read_text().split()
@@ -179,9 +179,9 @@ def test_spec_decode_tiny_cpu_run(tmp_path):
     assert "chain" in text and "tree" in text
 
 
-def test_spec_h200_tiny_cpu_run(tmp_path):
-    """The BenchActor path of benchmarks/device/spec_h200.py (its --tiny mode: a random tiny Llama)."""
-    _run(["benchmarks/device/spec_h200.py", "--tiny", "--out", str(tmp_path), "--max-prompts", "1",
+def test_spec_graphed_tiny_cpu_run(tmp_path):
+    """The BenchActor path of benchmarks/device/spec_graphed.py (its --tiny mode: a random tiny Llama)."""
+    _run(["benchmarks/device/spec_graphed.py", "--tiny", "--out", str(tmp_path), "--max-prompts", "1",
           "--max-new-tokens", "4"])
     got = json.loads((tmp_path / "spec_h200.json").read_text())
     assert got["summary"]["bf16_unexplained_divergences"] == 0

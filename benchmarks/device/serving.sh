@@ -2,14 +2,14 @@
 # Does the drafter pay where users serve it? SGLang's EAGLE-3 decoding against SGLang's plain decoding,
 # both CUDA-graphed, through the product (`eagle3-ray bench bench.engine=sglang`), on one GPU.
 # Each step is one device call, issued back to back (the machine keeps /tmp while warm), after the
-# payload steps of h200_session.sh (gg1, gg2, base; sgl1, sgl2, sgl3). Results go to $OUT.
+# payload steps of session.sh (gg1, gg2, base; sgl1, sgl2, sgl3). Results go to $OUT.
 #
-#   source benchmarks/device/h200_session.sh env && STEP=<step> BUDGET=<s> bash benchmarks/device/serving.sh
+#   source benchmarks/device/session.sh env && STEP=<step> BUDGET=<s> bash benchmarks/device/serving.sh
 #
 # Steps:
 #   train    the preset's pipeline to its export (HF engine), trimmed to one call: one answer per prompt
 #            and 3,000 requests of the target's own, 3 epochs (the preset: two answers, 12,000 requests,
-#            5 epochs, three calls). Resumes like product_h200.sh; the drafter comes back as drafter.tgz.part-*.
+#            5 epochs, three calls). Resumes like product_run.sh; the drafter comes back as drafter.tgz.part-*.
 #   bench    the SGLang bench of that drafter: MT-bench all 80 questions, both turns, 1024 new tokens,
 #            plain / chain(3) / the preset's tree at concurrency 1, 8 and 32.
 #   compare  bench.engine=both on 16 MT-bench questions (2 per category), chain(3), concurrency 1: SGLang's
@@ -29,7 +29,7 @@ case "$STEP" in
   train)
     DATA=.gq/train_prompts_mt.jsonl RUN=$RUN/train BUDGET=$BUDGET OUT=$OUT \
       EXTRA='generate.samples_per_prompt=1 generate.synthetic_prompts=3000 extract.compact=fp8 train.epochs=3 train.eval_every=400 train.val_groups={"mt_bench":"mtbench-[0-9]+","gsm8k":"gsm8k-.*","synthetic":"synthetic:.*","chat":".*"} train.eval_only=["mt_bench"] --stop-after export' \
-      bash benchmarks/device/product_h200.sh ;;
+      bash benchmarks/device/product_run.sh ;;
   bench)
     [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz.part-* | tar -xz -C "$RUN/train/out"; }
     cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/bench" \

@@ -1,6 +1,6 @@
 """The SGLang capture hook cut short, to find where the capture's cost lies (benchmarks only).
 
-``benchmarks/device/sglang_h200_2.py --probes rows,copy`` loads ``factory`` into SGLang's scheduler
+``benchmarks/device/sglang_capture.py --probes rows,copy`` loads ``factory`` into SGLang's scheduler
 processes in place of the product's ``logits_processor`` hook (``probe_hooks`` swaps it into a
 capture engine's ``forward_hooks``). The probe runs the product hook's own steps
 (``eagle3_ray.engines.sglang_hooks``) up to its cut:

@@ -106,7 +106,7 @@ class SGLangEngine:
         # for a call slot (max_concurrent_calls), inside SGLang (submitted until answered), collecting
         # the hook's files; and `engine_idle`, the time no capture call of ours was inside SGLang.
         # `max_in_flight`: the most capture calls inside SGLang at once. Read by
-        # benchmarks/device/sglang_h200_2.py.
+        # benchmarks/device/sglang_capture.py.
         self.capture_seconds = {"calls": 0, "slot_wait": 0.0, "generate": 0.0, "collect": 0.0, "engine_idle": 0.0,
                                 "max_in_flight": 0}
         self._in_flight = 0

@@ -1,9 +1,9 @@
 """Speculative decoding against the project's CUDA-graphed plain decoding, drafter eager vs graphed,
 with the divergence audit: the product's BenchActor (eagle3_ray.bench.runner), in-process.
 
-    python3 benchmarks/device/spec_h200.py --target /tmp/smollm2 --drafter runs/x/drafter \\
+    python3 benchmarks/device/spec_graphed.py --target /tmp/smollm2 --drafter runs/x/drafter \\
         --mtbench .gq/mt_bench.jsonl --out $OUT            # on the GPU (bf16, CUDA graphs)
-    python3 benchmarks/device/spec_h200.py --tiny --out /tmp/o   # CPU smoke run of every code path
+    python3 benchmarks/device/spec_graphed.py --tiny --out /tmp/o   # CPU smoke run of every code path
 
 Per MT-bench category (``--max-prompts`` prompts round-robin over categories, both turns), on one
 BenchActor: the drafter-graphed run (``bench.draft_graphs=true``: baseline, chain(K), tree, the
@@ -20,7 +20,7 @@ forward (the StaticTarget graph replay + host sync, as a cycle's ``verify`` part
 capacities ``--max-length`` and the bench's default ``bench.max_length``, each attending over the
 whole storage (``length_spans=False``, the old behaviour) and over the span holding the context:
 
-    python3 benchmarks/device/spec_h200.py --verify-sweep --target /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
+    python3 benchmarks/device/spec_graphed.py --verify-sweep --target /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 """
 
 from __future__ import annotations

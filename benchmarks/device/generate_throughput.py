@@ -1,9 +1,9 @@
 """Self-distillation throughput: the product's generate-stage code path vs the static generator
 called as benchmarks/quality_smollm2.py calls it, on the same prompts, one engine, in-process.
 
-    source benchmarks/device/h200_session.sh env      # after the session's base + gg1/gg2 steps
-    python3 benchmarks/device/generate_h200.py --out $OUT            # H200, ~100-130 s; carry [".gq"]
-    python3 benchmarks/device/generate_h200.py --cpu --out /tmp/o    # CPU smoke run of every path
+    source benchmarks/device/session.sh env      # after the session's base + gg1/gg2 steps
+    python3 benchmarks/device/generate_throughput.py --out $OUT            # H200, ~100-130 s; carry [".gq"]
+    python3 benchmarks/device/generate_throughput.py --cpu --out /tmp/o    # CPU smoke run of every path
 
 The first ``--num-prompts`` prompt-only samples of ``--prompts`` (the project's train_prompts.jsonl),
 256 new tokens, batch 512 (configs/smollm2-h200.yaml's generate section), greedy; each path starts

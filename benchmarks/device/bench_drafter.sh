@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The product's bench stage alone on one H200 (`eagle3-ray bench`), over a drafter that a product run
-# exported and sent back (drafter.tgz.part-*, product_h200.sh), on the sets the product runs bench:
+# exported and sent back (drafter.tgz.part-*, product_run.sh), on the sets the product runs bench:
 # MT-bench's 80 questions, GSM8K test 15, HumanEval 15, Spec-Bench 20, 128 new tokens.
 #
-#   After `source benchmarks/device/h200_session.sh env` (the base, gg1, gg2 steps done: packages, the
+#   After `source benchmarks/device/session.sh env` (the base, gg1, gg2 steps done: packages, the
 #   GGUF, /tmp/gq), in a copy of the repository at the commit to measure:
-#   TAG=<name> DRAFTER=<dir with drafter.tgz.part-*> OUT=$OUT bash benchmarks/device/bench_h200.sh [SETS]
+#   TAG=<name> DRAFTER=<dir with drafter.tgz.part-*> OUT=$OUT bash benchmarks/device/bench_drafter.sh [SETS]
 #   SETS: all (default) or mt_bench (MT-bench's 80 questions only). Results: $OUT/$TAG/{results.json,report.md,bench.log}
 #   MAX_NEW=<new tokens per turn> (default 128), MT_MAX=<MT-bench questions, taken round-robin over its
 #   categories> (default 80), BUDGET=<seconds> (default 540: SIGINT then; the categories measured by then

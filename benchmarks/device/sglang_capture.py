@@ -37,10 +37,10 @@ sglang_kill_every_sample_once.
 
 The SmolLM2 GGUF is converted (and part b's data prepared) in a background process at the start.
 
-    source benchmarks/device/h200_session.sh sgl3   # after its base, gg1, gg2, sgl1, sgl2 steps
-    PYTHONUNBUFFERED=1 python3 benchmarks/device/sglang_h200_2.py --out $OUT --budget-s 330
+    source benchmarks/device/session.sh sgl3   # after its base, gg1, gg2, sgl1, sgl2 steps
+    PYTHONUNBUFFERED=1 python3 benchmarks/device/sglang_capture.py --out $OUT --budget-s 330
 CPU check of the script's own paths (no SGLang engine; fakes where named):
-    python benchmarks/device/sglang_h200_2.py --out /tmp/s2 --cpu
+    python benchmarks/device/sglang_capture.py --out /tmp/s2 --cpu
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "false")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # benchmarks.device.sglang_capture_probe, which SGLang's schedulers import too
 sys.path.insert(0, str(REPO / "benchmarks" / "device"))
-from sglang_h200 import per_layer, rel_err  # noqa: E402  (the first call's error measures)
+from sglang_engine import per_layer, rel_err  # noqa: E402  (the first call's error measures)
 GGUF = Path("/tmp/SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2 = Path("/tmp/smollm2")
 WORK = Path("/tmp/sglang2")
@@ -555,7 +555,7 @@ def part_e(a) -> dict:
     from eagle3_ray.config import BenchConfig, PipelineConfig
 
     sys.path.insert(0, str(REPO / "benchmarks" / "device"))
-    from spec_h200 import bench_actor, random_drafter_dir, tiny_prompts
+    from spec_graphed import bench_actor, random_drafter_dir, tiny_prompts
 
     work = Path(tempfile.mkdtemp(prefix="plain_"))
     mt = str(tiny_prompts(work)) if a.cpu else a.mt_bench

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Speculative decoding on the H200 against the project's CUDA-graphed plain decoding: drafter
 # CUDA-graphed vs eager, chain(3) and tree, MT-bench turns, bf16, with the divergence audit
-# (benchmarks/device/spec_h200.py drives the product's BenchActor). Run from the repository root,
-# after `source benchmarks/device/h200_session.sh env` (PYTHONPATH set):
+# (benchmarks/device/spec_graphed.py drives the product's BenchActor). Run from the repository root,
+# after `source benchmarks/device/session.sh env` (PYTHONPATH set):
 #
 #   DRAFTER=<exported drafter dir> TARGET=<HF dir of SmolLM2-135M-Instruct> MTBENCH=<mt_bench.jsonl> \
-#       bash benchmarks/device/spec_h200.sh
+#       bash benchmarks/device/spec_graphed.sh
 #
 # DRAFTER unset: a seeded random drafter is exported on the fly (launch overhead only, tau ~ 1).
 # TARGET unset: the SmolLM2 GGUF at /tmp/SmolLM2-135M-Instruct.Q4_1.gguf (converted by the product).
@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "${VERIFY_SWEEP:-0}" = 1 ]; then
     if [ "${TINY:-0}" = 1 ]; then sweep=(--tiny); else sweep=(--target "${TARGET:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}"); fi
-    python3 benchmarks/device/spec_h200.py --verify-sweep "${sweep[@]}" --out "$OUT" ${EXTRA:-} 2>&1 | tee "$OUT/spec_h200.log"
+    python3 benchmarks/device/spec_graphed.py --verify-sweep "${sweep[@]}" --out "$OUT" ${EXTRA:-} 2>&1 | tee "$OUT/spec_h200.log"
     exit "${PIPESTATUS[0]}"
 fi
 args=(--out "$OUT" --max-prompts "${MAX_PROMPTS:-8}" --max-new-tokens "${MAX_NEW_TOKENS:-128}")
@@ -34,5 +34,5 @@ fi
 [ -n "${DRAFTER:-}" ] && args+=(--drafter "$DRAFTER")
 [ -n "${SGLANG_PLAIN_TPS:-}" ] && args+=(--sglang-plain-tps "$SGLANG_PLAIN_TPS")
 [ "${TINY:-0}" != 1 ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/spec_h200.log"
-python3 benchmarks/device/spec_h200.py "${args[@]}" ${EXTRA:-} 2>&1 | tee -a "$OUT/spec_h200.log"
+python3 benchmarks/device/spec_graphed.py "${args[@]}" ${EXTRA:-} 2>&1 | tee -a "$OUT/spec_h200.log"
 exit "${PIPESTATUS[0]}"

@@ -7,20 +7,20 @@
 #   carry [".gq"] (train_prompts.jsonl from benchmarks/train_prompts.py, mt_bench.jsonl from
 #   ../shared/data); the GGUF at /tmp/SmolLM2-135M-Instruct.Q4_1.gguf; PYTHONPATH holds Ray,
 #   DeepSpeed, pydantic and gguf (.whl) and the repository.
-#   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_h200.sh
-#   EXTRA="$(cat benchmarks/device/product4_extra.txt)" adds overrides (one word each, no spaces): the
+#   BUDGET=<seconds this call may run the pipeline> bash benchmarks/device/product_run.sh
+#   EXTRA="$(cat benchmarks/device/overrides/product4.txt)" adds overrides (one word each, no spaces): the
 #   next run's, with the target's own requests (the third run's differ only in its generate options).
 #   DATA=<prompts.jsonl> replaces the training prompt set (default .gq/train_prompts.jsonl); the sixth
-#   run's: DATA=.gq/train_prompts_g2k.jsonl EXTRA="$(cat benchmarks/device/product6_extra.txt)".
+#   run's: DATA=.gq/train_prompts_g2k.jsonl EXTRA="$(cat benchmarks/device/overrides/product6.txt)".
 #
 # The generate stage's output (the conversations: minutes of device time) also comes back, once, as
 # generate.tgz.part-* (under the 16-MiB limit on a returned file). On a fresh machine (the last one went
 # back between calls, or a later session) put those parts under .gen/ (carried; or /tmp/gen, copied by an
-# earlier call: `source benchmarks/device/h200_session.sh gen`) and the run starts past generate: its
+# earlier call: `source benchmarks/device/session.sh gen`) and the run starts past generate: its
 # marker's hash matches when the config and --data are the same, under any RUN (a stage's recorded
 # output is found in the out dir where it is now). The eighth run restored the seventh's that way, its
 # archive split in two so that each half rode with a payload of its own (gg1, base):
-#   DATA=.gq/train_prompts_mt.jsonl EXTRA="$(cat benchmarks/device/product8_extra.txt)" ...
+#   DATA=.gq/train_prompts_mt.jsonl EXTRA="$(cat benchmarks/device/overrides/product8.txt)" ...
 set -uo pipefail
 : "${BUDGET:=480}" "${RUN:=/tmp/product}" "${OUT:=/tmp/product-out}" "${DATA:=.gq/train_prompts.jsonl}"
 mkdir -p "$RUN" "$OUT"

@@ -9,11 +9,11 @@
 #   .sgl  bash ../shared/device/make-sglang-wheelhouse.sh   (SGLang 0.5.17, three pieces)
 #   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl (the sixth product run's: --max-gsm8k
 #         2000 --out .gq/train_prompts_g2k.jsonl); cp ../shared/data/{mt_bench,gsm8k_test,humaneval,spec_bench}.jsonl .gq/
-# Each call: `source benchmarks/device/h200_session.sh <step>`, then its work:
+# Each call: `source benchmarks/device/session.sh <step>`, then its work:
 #   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
 #   gg1   (carry .gg/part-aa)     first half of the GGUF -> /tmp
 #   gg2   (carry .gg/part-ab .gq) /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-#   gen   (carry .gen)            a product run's generate.tgz.part-* -> /tmp/gen (product_h200.sh restores them)
+#   gen   (carry .gen)            a product run's generate.tgz.part-* -> /tmp/gen (product_run.sh restores them)
 #   sgl1, sgl2 (carry .sgl/part-a{a,b}) pieces -> /tmp
 #   sgl3  (carry .sgl/part-ac)    SGLang 0.5.17 -> /tmp/sgl; PYTHONPATH=/tmp/sgl:/tmp/base:$PWD
 #   env   (nothing carried)       PYTHONPATH for whatever was installed

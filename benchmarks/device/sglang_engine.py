@@ -15,9 +15,9 @@ there with its traceback while the next ones still run):
   spec        SGLang EAGLE3 decoding with an exported drafter vs plain SGLang, and the project's
               HF chain decoding with the same drafter, on the same MT-bench / demo-eval turns
 
-    python3 benchmarks/device/sglang_h200.py convert capture --target /tmp/smollm2 --out $OUT
+    python3 benchmarks/device/sglang_engine.py convert capture --target /tmp/smollm2 --out $OUT
     # on nvidia-h200-x2 (issue 17 item 8): tp 2 against tp 1 and HF on the same ids
-    python3 benchmarks/device/sglang_h200.py make8b capture --target /dev/shm/llama8b --random-ids --seq 2048 \
+    python3 benchmarks/device/sglang_engine.py make8b capture --target /dev/shm/llama8b --random-ids --seq 2048 \
         --samples 4 --no-fp32 --tp 2 --tag _tp2 --out $OUT
 """
 
