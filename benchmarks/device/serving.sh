@@ -31,7 +31,8 @@ case "$STEP" in
       EXTRA='generate.samples_per_prompt=1 generate.synthetic_prompts=3000 extract.compact=fp8 train.epochs=3 train.eval_every=400 train.val_groups={"mt_bench":"mtbench-[0-9]+","gsm8k":"gsm8k-.*","synthetic":"synthetic:.*","chat":".*"} train.eval_only=["mt_bench"] --stop-after export' \
       bash benchmarks/device/product_run.sh ;;
   bench)
-    [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz.part-* | tar -xz -C "$RUN/train/out"; }
+    # a drafter from an earlier machine: carry .drafter/ (git-ignored) holding the train step's drafter.tgz*
+    [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz* | tar -xz -C "$RUN/train/out"; }
     cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/bench" \
       target.model=$GGUF bench.engine=sglang bench.max_new_tokens=1024 "$MT" "$SG" 2>&1 | tee "$RUN/bench.log"
     cp "$RUN/bench/results.json" "$OUT/sglang_bench.json"; cp "$RUN/bench/report.md" "$OUT/sglang_bench_report.md"
