@@ -11,7 +11,8 @@
 #            and 3,000 requests of the target's own, 3 epochs (the preset: two answers, 12,000 requests,
 #            5 epochs, three calls). Resumes like product_run.sh; the drafter comes back as drafter.tgz.part-*.
 #   bench    the SGLang bench of that drafter: MT-bench all 80 questions, both turns, 1024 new tokens,
-#            plain / chain(3) / the preset's tree at concurrency 1, 8 and 32.
+#            plain / chain(3) / the preset's tree at concurrency 1, 8 and 32. BENCH_EXTRA adds overrides
+#            (one word each), e.g. bench.cuda_graphs=false to see whether a silent EAGLE-3 engine is the graphs'.
 #   compare  bench.engine=both on 16 MT-bench questions (2 per category), chain(3), concurrency 1: SGLang's
 #            tau against the project's own HF decoder on the same prompts.
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
@@ -34,7 +35,7 @@ case "$STEP" in
     # a drafter from an earlier machine: carry .drafter/ (git-ignored) holding the train step's drafter.tgz*
     [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz* | tar -xz -C "$RUN/train/out"; }
     cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/bench" \
-      target.model=$GGUF bench.engine=sglang bench.max_new_tokens=1024 "$MT" "$SG" 2>&1 | tee "$RUN/bench.log"
+      target.model=$GGUF bench.engine=sglang bench.max_new_tokens=1024 "$MT" "$SG" ${BENCH_EXTRA:-} 2>&1 | tee "$RUN/bench.log"
     cp "$RUN/bench/results.json" "$OUT/sglang_bench.json"; cp "$RUN/bench/report.md" "$OUT/sglang_bench_report.md"
     cp "$RUN/bench.log" "$OUT/sglang_bench.log" ;;
   compare)
