@@ -136,9 +136,9 @@ class _Answering:
     def __enter__(self) -> "_Answering":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if self.pool is not None:  # on an error or an interrupt, the calls in flight are not waited for
+            self.pool.shutdown(wait=exc_type is None, cancel_futures=True)
 
     def in_order(self, batches: list[list[Sample]], seeds: list[int]):
         answer = lambda b, s: _answer_batch(self.engine, self.tokenizer, b, self.sampling, s)  # noqa: E731
