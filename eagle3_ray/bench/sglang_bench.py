@@ -270,6 +270,7 @@ def run_mode(
         return {
             "mode": mode,
             "start_seconds": start_seconds,
+            "device": _device_name(),
             "server_args": {k: v for k, v in kwargs.items() if k.startswith(("speculative_", "cuda_graph", "disable_cuda"))},
             "by_concurrency": by_c,
             "c1_records": c1_records,
@@ -277,6 +278,12 @@ def run_mode(
         }
     finally:
         served.loop.close()
+
+
+def _device_name() -> str:
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cuda"
 
 
 def _first_text(conversations: dict[str, list[tuple[str, list[str]]]] | None) -> str:
@@ -304,6 +311,7 @@ def combine(parts: dict[str, dict[str, Any]], concurrency: list[int]) -> dict[st
         "per_category": _grouped(parts, turns, lambda t: t.category),
         "per_turn": _grouped(parts, turns, lambda t: str(t.turn + 1)),
         "start_seconds": {m: p.get("start_seconds") for m, p in parts.items()},
+        "device": plain.get("device") or "cuda",  # where the engines ran (the task's GPU, not the driver's)
         "server_args": {m: p.get("server_args") for m, p in parts.items()},
         "errors": {m: p["error"] for m, p in parts.items() if p.get("error")},
         "num_turns": len(turns),

@@ -71,7 +71,7 @@ def sglang_only_results(cfg: PipelineConfig, drafter_dir: str, sets: dict[str, l
     and the HF bench share (baseline = plain decoding), and the whole ``sglang`` section."""
     section = measure_sglang(cfg, drafter_dir, sets, out)
     results = _layout(section)
-    results.update(sglang=section, target=cfg.target.model, drafter=drafter_dir, device=_device(),
+    results.update(sglang=section, target=cfg.target.model, drafter=drafter_dir, device=section["device"],
                    graphed_baseline=cfg.bench.cuda_graphs, draft_graphs=cfg.bench.cuda_graphs, dtype="bfloat16")
     results["summary"] = {**sb.summary_keys(section), "engine": "sglang"}
     _raise_errors(section)
@@ -127,17 +127,6 @@ def _raise_errors(section: dict[str, Any]) -> None:
     if section["errors"]:
         raise EngineError("the SGLang bench could not measure " + "; ".join(
             f"{mode}: {why}" for mode, why in section["errors"].items()) + " (results.json has the other modes)")
-
-
-def _device() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"cuda ({torch.cuda.get_device_name(0)})"
-    except Exception:  # the driver machine may have no GPU; the engine's did
-        pass
-    return "cuda"
 
 
 def _key(cfg: PipelineConfig, drafter_dir: str, conversations: Any, mode: str, turns: Any) -> str:

@@ -61,3 +61,17 @@ def source_root() -> Path:
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.submodule_search_locations, "sglang is not importable"
     return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture()
+def target(tmp_path, tiny_llama_config):
+    """A tiny Llama on disk as an SGLang target, capture_dir in tmp: for the engine tests with a fake engine."""
+    import torch
+
+    from eagle3_ray.config import TargetConfig
+
+    d = tmp_path / "tiny-llama"
+    tiny_llama_config.torch_dtype = torch.float32
+    tiny_llama_config.save_pretrained(d)
+    return TargetConfig(model=str(d), backend="sglang", tp_size=1, dtype="float32", aux_layers=[2, 3, 4],
+                        sglang={"capture_dir": str(tmp_path / "shm")})

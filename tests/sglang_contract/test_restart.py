@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines import sglang as sg
 from eagle3_ray.engines import sglang_process as sp  # noqa: E402
 from eagle3_ray.errors import EngineError
@@ -201,15 +200,6 @@ def test_the_hook_manager_needs_only_torch():
         elif isinstance(node, ast.ImportFrom):
             names.add("." if node.level else node.module.split(".")[0])
     assert names - set(sys.stdlib_module_names) <= {"torch"}, f"{path} imports {sorted(names)}"
-
-
-@pytest.fixture()
-def target(tmp_path, tiny_llama_config):
-    d = tmp_path / "tiny-llama"
-    tiny_llama_config.torch_dtype = torch.float32
-    tiny_llama_config.save_pretrained(d)
-    return TargetConfig(model=str(d), backend="sglang", tp_size=1, dtype="float32", aux_layers=[2, 3, 4],
-                        sglang={"capture_dir": str(tmp_path / "shm")})
 
 
 def test_scheduler_sigkill_mid_capture_restarts_and_loses_nothing(target, monkeypatch):

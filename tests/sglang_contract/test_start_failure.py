@@ -30,9 +30,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-import torch
 
-from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.sglang_args import server_args_fields
 from eagle3_ray.engines.sglang import SGLangEngine
 from eagle3_ray.engines import sglang_process as sp  # noqa: E402
@@ -160,15 +158,6 @@ def stderr_to(path: Path):
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-
-
-@pytest.fixture()
-def target(tmp_path, tiny_llama_config):
-    d = tmp_path / "tiny-llama"
-    tiny_llama_config.torch_dtype = torch.float32
-    tiny_llama_config.save_pretrained(d)
-    return TargetConfig(model=str(d), backend="sglang", tp_size=1, dtype="float32", aux_layers=[2, 3, 4],
-                        sglang={"capture_dir": str(tmp_path / "shm")})
 
 
 def test_a_scheduler_failing_at_start_is_an_engine_start_error_naming_its_exception(target, tmp_path):
