@@ -234,3 +234,104 @@ def test_train_prompts_holds_out_the_evaluation_sets(tmp_path):
     assert prompts == {"What is 2 + 2?", "Name a prime.", "Hi there", "Tell me a joke."}
     assert [r for r in rows if r["id"].startswith("mtbench-")] == \
         [{"id": "mtbench-81", "turns": ["Write a haiku.", "Shorter."]}]
+
+
+def test_long_capture_tiny_cpu_run(tmp_path):
+    """benchmarks/device/long_capture.py --tiny: the HF engine's capture of a 4,096-token sample has one row per
+    token, and its first 2,048 rows equal a capture of the first 2,048 tokens (fp32; bit-equal here)."""
+    _run(["benchmarks/device/long_capture.py", "--tiny", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
+    got = json.loads((tmp_path / "long_capture.json").read_text())
+    hf = got["parts"]["hf"]
+    assert got["summary"]["hf"]["rows_exact"] and hf["long"]["rows"] == 4096 and hf["prefix"]["rows"] == 2048
+    assert hf["prefix_error"]["max_rel_to_row"] <= 64 * 1.2e-7
+
+
+def _long_eval_data(tmp_path):
+    """A tiny copy of ../shared/data's held-out sets (the layout benchmarks/long_eval_set.py reads)."""
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def write(name, rows):
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "it", "rains"]
+
+    def text(i, n):
+        return " ".join(words[(i + k) % len(words)] for k in range(n)) + f" ({i})"
+
+    write("mt_bench.jsonl", [{"question_id": 81 + i, "category": "writing", "turns": [text(i, 20), f"Shorter {i}."]}
+                             for i in range(6)])
+    write("spec_bench.jsonl", [{"question_id": 81, "category": "writing", "turns": [text(0, 20), "Shorter 0."]}] +
+          [{"question_id": 200 + i, "category": "summarization", "turns": [text(i, 60)]} for i in range(6)])
+    write("gsm8k_test.jsonl", [{"question": f"What is {i} + {i}?", "answer": "x"} for i in range(12)])
+    write("humaneval.jsonl", [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    return x\n"} for i in range(6)])
+    return data
+
+
+def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
+    """benchmarks/long_eval_set.py: build (held-out sets -> MT-bench-form conversations whose rendered length
+    lies in their bucket, deterministic, each source record once, its turns together, read by both the bench and
+    the training reader), split (answered conversations -> pieces of whole exchanges within the limit) and tau
+    (per-turn bench records pooled by prompt tokens)."""
+    sys.path.insert(0, str(BENCH))
+    import long_eval_set as les
+
+    from eagle3_ray.bench.prompts import load_prompt_sets
+    from eagle3_ray.data.sources import Sample, read_samples
+
+    data = _long_eval_data(tmp_path)
+    out = tmp_path / "long.jsonl"
+    argv = ["build", "--data", str(data), "--out", str(out), "--buckets", "256,512", "--per-bucket", "2",
+            "--answer-tokens", "16", "--margin", "8"]
+    assert les.main(argv) == 0
+    text = out.read_text()
+    assert les.main([*argv[:4], str(tmp_path / "again.jsonl"), *argv[5:]]) == 0
+    assert (tmp_path / "again.jsonl").read_text() == text  # seeded: the same file
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["category"] for r in rows] == ["256", "512", "256", "512"]
+    tok = les.load_tokenizer("smollm2")
+    lengths = les.Lengths(tok, 16)
+    used = []
+    for r in rows:
+        lower, upper = {256: 128, 512: 256}[r["bucket_tokens"]], r["bucket_tokens"] - 8
+        assert r["estimated_tokens"] == lengths.ntok(lengths.text(r["turns"])) + 16
+        assert lower < r["estimated_tokens"] <= upper
+        flat = [t for p in r["provenance"] for t in [p["id"]] * p["turns"]]
+        assert len(flat) == len(r["turns"]) == r["num_turns"]
+        for i, t in enumerate(r["turns"]):  # an MT-bench record's second turn right after its first
+            if t.startswith("Shorter "):
+                assert flat[i - 1] == flat[i] and r["turns"][i - 1].endswith(f"({t.split()[1][:-1]})")
+        used += [p["id"] for p in r["provenance"]]
+    assert len(used) == len(set(used)) and not any(u == "spec_bench:81" for u in used)  # Spec-Bench's MT-bench copy out
+    sets = load_prompt_sets(str(out))
+    assert {c: len(p) for c, p in sets.items()} == {"256": 2, "512": 2}
+    samples = [s for s in read_samples(out) if isinstance(s, Sample)]
+    assert [len(s.messages) for s in samples] == [r["num_turns"] for r in rows]
+
+    # split: one answered conversation of 10 exchanges, a copy's id
+    convo = {"id": "q7#s1", "conversations": [m for i in range(10) for m in (
+        {"role": "user", "content": f"Question {i}: " + "tell me more " * 10},
+        {"role": "assistant", "content": f"Answer {i}: " + "here it is " * 30})]}
+    pieces = les.split_conversation(tok, convo, max_tokens=300)
+    assert len(pieces) > 2 and all(p["tokens"] <= 300 for p in pieces)
+    assert [p["id"] for p in pieces] == [f"q7@p{k}#s1" for k in range(len(pieces))]
+    assert [m for p in pieces for m in p["conversations"]] == convo["conversations"]
+
+    # tau: two turns under 256 prompt tokens, one over
+    bench = tmp_path / "bench"
+    (bench / "partial").mkdir(parents=True)
+
+    def rec(prompt_tokens, tau, steps):
+        stats = {"new_tokens": int((tau or 1) * (steps or 16)), "seconds": 1.0, "tau": tau, "verify_steps": steps,
+                 "accept_by_position": [0.5], "parts": {}}
+        return {"prompt_id": "x", "turn": 0, "prompt_tokens": prompt_tokens, "identical": True, "divergence": None,
+                "stats": stats}
+
+    (bench / "partial" / "256.json").write_text(json.dumps({"records": {"chain": [rec(100, 2.0, 10), rec(200, 3.0, 30)],
+                                                                        "baseline": [rec(100, None, 0)]}}))
+    (bench / "partial" / "512.json").write_text(json.dumps({"records": {"chain": [rec(300, 1.5, 20)]}}))
+    got = les.tau_by_length(bench, [256, 512])
+    assert got["chain"]["<256"]["tau"] == pytest.approx((2.0 * 10 + 3.0 * 30) / 40) and got["chain"]["<256"]["turns"] == 2
+    assert got["chain"]["256-512"]["tau"] == 1.5 and ">=512" not in got["chain"]
+    assert les.main(["tau", "--bench", str(bench), "--buckets", "256,512", "--out", str(tmp_path / "tau.json")]) == 0
+    assert json.loads((tmp_path / "tau.json").read_text())["tau_by_prompt_tokens"][str(bench)]["chain"]["256-512"]["turns"] == 1

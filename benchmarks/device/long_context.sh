@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Does training on long samples pay on long turns? Two SmolLM2 drafters trained on the same answers, then
+# benched on the same long conversations, tau by the context length of each turn. Not run yet.
+#
+#   long   configs/smollm2-long.yaml (data.max_length 8192) on long multi-turn prompts that the target
+#          answers turn by turn: each conversation is one sample, up to SmolLM2's 8,192-token window.
+#   short  the same answered conversations (the long run's generate stage, copied) cut at turn boundaries
+#          into samples of at most 2,048 tokens (benchmarks/long_eval_set.py split), data.max_length 2048:
+#          the same answer tokens and epochs, seen with at most 2K of context and positions below 2,048.
+#   Both: one answer per turn, no requests of the target's own, 3 epochs, nothing held out (train.val_share=0:
+#   the short run's pieces of one conversation would be held out apart), the preset's settings otherwise.
+#   The bench (HF target, bf16, CUDA graphs) decodes every turn of the long evaluation set, answered by the
+#   target's greedy baseline turn by turn, chain(3) at 128 new tokens; tau is pooled per bucket of the turn's
+#   prompt tokens (<2K, 2-4K, 4-6K, 6-8K). What it does not separate: the longer
+#   context from the unseen positions (both grow together), nor a gain from the short run's extra template
+#   tokens per piece (the system prompt and headers its pieces repeat).
+#
+#   After `source benchmarks/device/session.sh env` (base, gg1, gg2 done: packages, the GGUF, /tmp/gq):
+#   STEP=<data|long|short|bench-long|bench-short|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
+#   data        .gq/long_train.jsonl (training sets, 4 buckets to 8K, 256 tokens reserved per answer, every
+#               prompt once) and .gq/long_eval.jsonl (held-out sets, 6 per bucket, 128 reserved). CPU only, and
+#               it reads ../shared/data: run it on the CPU machine, then carry .gq.
+#   long, short the pipeline to its export; repeat the same STEP in the next call to resume. The drafter
+#               comes back as $OUT/drafter-<run>.tgz.part-*; short needs long's generate stage on this machine.
+#   bench-long, bench-short   eagle3-ray bench of that drafter on .gq/long_eval.jsonl (resumes by bucket).
+#               A drafter from an earlier machine: carry .drafter-<run>/ holding its drafter.tgz.part-*.
+#               Its output comes back as $OUT/bench-<run>.tgz (per-turn records under partial/, results, log).
+#   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
+#               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
+set -uo pipefail
+: "${STEP:?STEP=data|long|short|bench-long|bench-short|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
+  "${OUT:=/tmp/long_context-out}"
+mkdir -p "$RUN" "$OUT"
+export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
+GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -d .gq ] || { [ -d /tmp/gq ] && cp -r /tmp/gq .gq; }
+COMMON=(target.model=$GGUF generate.samples_per_prompt=1 generate.synthetic_prompts=0 train.epochs=3 train.val_share=0)
+t0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+cli() { timeout -k 30 -s INT "$(left)" python3 -m eagle3_ray.cli "$@"; }
+pipeline() {  # <run name> <data> [overrides...]: the preset's pipeline to its export, resumable
+  local name=$1 data=$2; shift 2
+  cli run -c configs/smollm2-long.yaml --data "$data" --out "$RUN/$name" --stop-after export "${COMMON[@]}" "$@" 2>&1 |
+    tee -a "$RUN/$name.log" | grep -v "^\[self-distill\]\|Running\|^- \|^Running Dataset" | tail -n 60
+  (cd "$RUN" && find "$name" \( -name '*.json' -o -name 'metrics.jsonl' -o -name '*.yaml' \) -size -8M \
+     ! -path '*/features/*' ! -name 'conversations*' -print | tar -czf "$OUT/$name-run.tgz" -T - "$name.log")
+  [ -d "$RUN/$name/drafter" ] && tar -czf - -C "$RUN/$name" drafter | split -b 15000000 - "$OUT/drafter-$name.tgz.part-"
+}
+bench() {  # <run name>: its drafter on the long evaluation set
+  local name=$1
+  if [ ! -d "$RUN/$name/drafter" ]; then
+    mkdir -p "$RUN/$name" && cat ".drafter-$name"/drafter.tgz.part-* | tar -xz -C "$RUN/$name" || exit 2
+  fi
+  cli bench -c configs/smollm2-long.yaml --drafter "$RUN/$name/drafter" --out "$RUN/bench-$name" target.model=$GGUF \
+    bench.prompts=.gq/long_eval.jsonl bench.max_prompts=1000 bench.modes=[chain] bench.untrained=false \
+    bench.max_new_tokens=128 bench.max_length=8192 2>&1 | tee -a "$RUN/bench-$name.log" | tail -n 20
+  cp "$RUN/bench-$name.log" "$RUN/bench-$name/" && tar -czf "$OUT/bench-$name.tgz" -C "$RUN" "bench-$name"
+}
+case "$STEP" in
+  data)
+    python3 benchmarks/long_eval_set.py build --data ../shared/data --sources train --per-bucket 0 \
+      --answer-tokens 256 --out .gq/long_train.jsonl
+    python3 benchmarks/long_eval_set.py build --data ../shared/data --sources eval --per-bucket 6 \
+      --answer-tokens 128 --out .gq/long_eval.jsonl
+    cp .gq/long_train.jsonl .gq/long_eval.jsonl "$OUT/" ;;
+  long) pipeline long .gq/long_train.jsonl ;;
+  short)
+    [ -f "$RUN/long/generate/conversations.jsonl" ] || { echo "the long run's generate stage is not here" >&2; exit 2; }
+    [ -f "$RUN/split_2k.jsonl" ] || python3 benchmarks/long_eval_set.py split --max-tokens 2048 \
+      --conversations "$RUN/long/generate/conversations.jsonl" --out "$RUN/split_2k.jsonl" | tee "$OUT/split_2k.json"
+    pipeline short "$RUN/split_2k.jsonl" data.max_length=2048 ;;
+  bench-long) bench long ;;
+  bench-short) bench short ;;
+  tau)
+    python3 benchmarks/long_eval_set.py tau --bench "${BENCH_LONG:-$RUN/bench-long}" "${BENCH_SHORT:-$RUN/bench-short}" \
+      --labels long,short-2k --out "$OUT/long_context_tau.json" | tee "$OUT/long_context_tau.md" ;;
+  *) echo "unknown STEP $STEP" >&2; exit 2 ;;
+esac
+echo "step $STEP: $(( $(date +%s) - t0 )) s"
