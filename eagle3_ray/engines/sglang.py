@@ -232,6 +232,7 @@ class SGLangEngine:
             return []
         if any(not s for s in seqs):
             raise EngineError("capture: every sequence needs at least one token")
+        self._check_lengths(seqs)
 
         def attempt(generation: int) -> list[Capture]:
             rids = [f"e3r-{uuid.uuid4().hex}" for _ in seqs]  # fresh ids on a retry
@@ -256,6 +257,25 @@ class SGLangEngine:
             return caps
 
         return self._retrying(attempt)
+
+    def _check_lengths(self, seqs: Sequence[Sequence[int]]) -> None:
+        """SGLang refuses (does not cut) an input of ``max_req_input_len`` tokens or more (min(context
+        length, KV pool) less a few, set by its scheduler) and the refusal fails the whole call: name
+        the samples and the settings to change instead."""
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        limit = getattr(tm, "max_req_input_len", None)
+        if not isinstance(limit, int) or limit <= 0:
+            return
+        over = [i for i, s in enumerate(seqs) if len(s) >= limit]
+        if over:
+            longest = max(len(seqs[i]) for i in over)
+            raise ConfigError(
+                f"capture: {len(over)} sample(s) of this batch have up to {longest:,} tokens; SGLang accepts fewer "
+                f"than {limit:,} for target.model={self._target.model!r} (its context length "
+                f"{getattr(tm, 'context_len', '?')} and its KV pool bound it): set data.max_length <= {limit - 1}, or "
+                "raise target.sglang.extra_engine_kwargs.context_length (past the model's max_position_embeddings "
+                "with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1) or mem_fraction_static"
+            )
 
     def _entered(self) -> float:
         """A capture call goes into SGLang: the engine's idle time ends if none was in."""

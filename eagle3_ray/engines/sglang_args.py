@@ -62,6 +62,7 @@ _CAPTURE_REFUSED: dict[str, tuple[Any, str]] = {
     "forward_hooks": (None, "the capture hook is set by eagle3_ray"),
     "return_aux_hidden_state_layer_ids": (None, "set target.aux_layers instead (HF hidden_states indices)"),
     "speculative_draft_model_path": (None, "capture runs the target alone"),
+    "allow_auto_truncate": (False, "SGLang would cut a sample over its input limit; capture needs every row"),
 }
 
 # Keys owned by TargetConfig fields in every mode.

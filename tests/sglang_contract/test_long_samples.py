@@ -138,3 +138,21 @@ def test_capture_keeps_chunked_prefill_off_and_the_length_knobs_at_sglangs_own(t
     long = target.model_copy(update={"sglang": target.sglang.model_copy(update={"extra_engine_kwargs": knobs})})
     kw = engine_kwargs(long, "capture", capture_dir=tmp_path)
     assert {k: kw[k] for k in knobs} == knobs and set(knobs) <= server_args_fields()
+
+
+def test_the_engine_hands_the_schedulers_input_limit_to_the_tokenizer_manager():
+    """SGLangEngine.capture reads ``engine.tokenizer_manager.max_req_input_len`` to refuse a too-long
+    sample itself (tests/sglang_contract/test_restart.py); the engine sets it from the scheduler."""
+    text = (SRT / "entrypoints" / "engine.py").read_text()
+    assert "tokenizer_manager.max_req_input_len = " in text and '"max_req_input_len"' in text
+
+
+def test_capture_refuses_auto_truncation(target, tmp_path):
+    from eagle3_ray.errors import ConfigError
+
+    cut = target.model_copy(update={"sglang": target.sglang.model_copy(
+        update={"extra_engine_kwargs": {"allow_auto_truncate": True}})})
+    import pytest
+
+    with pytest.raises(ConfigError, match="allow_auto_truncate"):
+        engine_kwargs(cut, "capture", capture_dir=tmp_path)

@@ -333,3 +333,20 @@ def test_a_failed_start_after_a_death_is_tried_again(target, monkeypatch):
     assert torch.equal(cap.aux_hidden, aux) and torch.equal(cap.last_hidden, last)
     assert len(calls) == 3 and engine.restarts == 1
     engine.close()
+
+
+def test_a_sample_sglang_would_refuse_for_its_length_is_a_config_error_before_the_call(target):
+    """SGLang refuses an input of ``tokenizer_manager.max_req_input_len`` tokens or more (and fails the
+    whole batch); the capture names the samples and the settings instead, before anything is sent."""
+    from eagle3_ray.errors import ConfigError
+
+    engine = sg.SGLangEngine(target, mode="capture", engine_factory=FakeSGLangEngine)
+    try:
+        engine._engine.tokenizer_manager.max_req_input_len = 7  # set by sglang.Engine from the scheduler
+        with pytest.raises(ConfigError, match=r"up to 9 tokens.*fewer than 7.*data\.max_length <= 6"):
+            engine.capture([[3] * 5, [4] * 9])
+        assert engine.capture_seconds["calls"] == 0  # refused before the call
+        (cap,) = engine.capture([[3] * 6])
+        assert cap.aux_hidden.shape[0] == 6
+    finally:
+        engine.close()
