@@ -244,6 +244,14 @@ class TrainConfig(_Section):
         "shape a pack is 64 MB and a worker takes ~9 per second: two keep it fed)."
     )
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
+    context_parallel: int = Field(
+        1, ge=1, description="Context parallelism: workers per group that split one pack's tokens (one sample "
+        "longer than a worker's memory holds); the groups (num_workers / context_parallel) are data parallel. A "
+        "group trains on packs of up to context_parallel x batch_tokens tokens, split contiguously; the drafter's "
+        "attention gathers the keys it needs, the loss and gradients are those of one worker (docs/drafter.md, "
+        "\"Context parallelism\"). Needs num_workers a multiple of it, train.mode=offline, attention sdpa, varlen "
+        "or auto. 1 = off."
+    )
     cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads on CPU) per training worker.")
     use_gpu: bool | None = Field(None, description="Default: True when the cluster has GPUs.")
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
@@ -267,6 +275,14 @@ class TrainConfig(_Section):
                 raise ValueError(f"group {name!r}: {pattern!r} is not a regular expression ({e}); a group is "
                                  "{name: regex matching whole sample ids}, e.g. {mt_bench: 'mtbench-.*'}") from None
         return groups
+
+    @model_validator(mode="after")
+    def _context_parallel_layout(self) -> "TrainConfig":
+        if self.context_parallel > 1:  # torch only then: the config loads without it otherwise
+            from eagle3_ray.train.context_parallel import check_config
+
+            check_config(self.context_parallel, self.num_workers, self.mode, self.attention, self.compile)
+        return self
 
     @model_validator(mode="after")
     def _eval_only_groups(self) -> "TrainConfig":

@@ -133,6 +133,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
     del full["train"]["loss_chunk_tokens"], full["train"]["recompute_ttt_steps"]  # what the backward recomputes
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
+    del full["train"]["context_parallel"]  # 1 (off): as before the option
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it

@@ -364,6 +364,7 @@ def ttt_forward(
     walk_steps: int = 0,
     loss_chunk_tokens: int = 0,
     recompute_steps: bool = False,
+    cp=None,
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
 
@@ -384,57 +385,104 @@ def ttt_forward(
     batch's assistant turns (`chain_walk`; at most ``ttt_steps``), into ``TTTOutput.walk``.
     ``loss_chunk_tokens`` (0 = off) and ``recompute_steps``: the memory options of long samples (module
     docstring); they change what is kept for the backward, not the result.
+    ``cp`` (context parallelism, `train.context_parallel.ContextParallel` of more than one rank): the batch is
+    this rank's shard of a pack (`context_parallel.shard_batch`: ``batch["cp_shard"]`` says where it sits; its
+    tensors carry ``ttt_steps`` tokens past its own), step 0's keys are gathered over the group, each step's
+    loss is divided by the group's count of valid positions, and the stats are the group's. The returned
+    loss is then this rank's part: the group's ranks' losses add up to the loss of the whole pack on one
+    worker, and so do their gradients. sdpa or varlen attention; no ``walk_steps``.
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
+    shard = batch.get("cp_shard")
+    if (shard is not None) != (cp is not None and cp.size > 1):
+        raise ValueError("a context-parallel shard (batch['cp_shard']) runs with its group (cp of more than one "
+                         "rank), and a group only on shards")
+    if shard is not None and (attention not in ("sdpa", "varlen") or walk_steps or batch["seq_ids"].shape[0] != 1):
+        raise ValueError(f"context parallelism runs one packed row with sdpa or varlen attention and no walk; got "
+                         f"attention={attention!r}, walk_steps={walk_steps}, {batch['seq_ids'].shape[0]} rows "
+                         "(set train.attention=sdpa or varlen)")
     if attention == "flex":
         batch = _pad_batch(batch, FLEX_BLOCK, pad_to)
-    elif row_tokens and attention == "sdpa":
+    elif row_tokens and attention == "sdpa" and shard is None:
         batch = split_rows(batch, row_tokens)
-    ids, seq, pos = batch["input_ids"], batch["seq_ids"], batch["position_ids"]
+    # Under context parallelism the batch holds t + ttt_steps tokens: the rank's own t, then the ones its
+    # shifted tokens, targets and masks read (the halo). Without, ``own`` is the whole batch (a full view).
+    t = shard.local if shard is not None else batch["input_ids"].shape[1]
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :t]
+
+    ids, seq_all, pos = batch["input_ids"], batch["seq_ids"], own(batch["position_ids"])
+    seq = own(seq_all)
     loss_mask = batch["loss_mask"].bool()
     target_p, in_draft = target_distribution(batch["last_hidden"], target_lm_head_weight, drafter.d2t, drafter.t2d)
     target_ids = target_p.argmax(dim=-1)  # [B, T] draft ids
 
-    hidden = drafter.fuse(batch["aux_hidden"])  # [B, T, H]
+    hidden = drafter.fuse(own(batch["aux_hidden"]))  # [B, T, H]
     if attention == "varlen":
-        cache = TTTCache()
-        segments = batch.get("segments") or Segments.of(seq)  # built ahead by the loop's prefetch thread
+        cache = cp.ttt_cache(shard) if shard is not None else TTTCache()
+        # built ahead by the loop's prefetch thread
+        segments = batch.get("segments") or Segments.of(seq, key_shift=shard.key_shift if shard is not None else 0)
+        if shard is not None and segments.key_shift != shard.key_shift:
+            raise ValueError(f"the batch's segments were built with key_shift {segments.key_shift}, its shard has "
+                             f"{shard.key_shift}")
     else:
-        cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else DrafterKVCache()
+        cache = FixedLengthTTTCache(ttt_steps) if attention == "flex" else (
+            cp.kv_cache(shard) if shard is not None else DrafterKVCache())
+    # Per step: the positions scored (loss mask, target in the sample), and of those the valid ones (a
+    # draft-vocab target), read from the token the step drafts, i + 1 ahead.
+    scored_masks, servables = [], []
+    for i in range(ttt_steps):
+        same = own(_same_sample(seq_all, i + 1))  # [B, T] the target at t+1+i is this sample's
+        scored_masks.append(own(_shift(loss_mask, i, False)) & same)
+        servables.append(own(_shift(in_draft, i + 1, False)) & same)  # a draft can match it: a draft-vocab target
+    if shard is not None:  # the loss is a mean over the group's valid positions: their count, summed
+        group_counts = cp.all_reduce(torch.stack([(m & s).float().sum() for m, s in zip(scored_masks, servables)]))
     total = hidden.new_zeros((), dtype=torch.float32)
-    stats = []  # per step: (ce_i, acc_i, count_i, served_acc_i), detached
+    stats = []  # per step: (ce_i, acc_i, count_i, served_acc_i), detached; under cp the rank's sums first
     hits_by_step = []  # per step < walk_steps: [B, T] the served draft equals the target's argmax
     for i in range(ttt_steps):
         ahead = i + 1  # step i reads token x_{t+1+i} and the target's distribution at t+1+i
-        same = _same_sample(seq, ahead)  # [B, T] the target at t+1+i is this sample's
-        scored_mask = _shift(loss_mask, i, False) & same
-        servable = _shift(in_draft, ahead, False) & same  # a draft can match it: a draft-vocab target
+        scored_mask, servable = scored_masks[i], servables[i]
         valid = scored_mask & servable
         if attention == "varlen":
             mask = segments
         elif attention == "flex":
             mask = ttt_block_mask(seq, i, ttt_steps)
+        elif shard is not None:
+            mask = functools.partial(cp.attention_mask, seq, shard, i)
         else:  # sdpa: built where it is used (under recompute_steps, again in the backward: never kept)
             mask = functools.partial(ttt_attention_mask, seq, i)
+        step_ids = own(_shift(ids, ahead))
         if recompute_steps and torch.is_grad_enabled():
-            hidden = recomputed_step(drafter, _shift(ids, ahead), hidden, pos + i, mask, cache)
+            hidden = recomputed_step(drafter, step_ids, hidden, pos + i, mask, cache)
         else:
-            hidden = drafter(_shift(ids, ahead), hidden, pos + i, attention_mask=built_mask(mask), cache=cache)
+            hidden = drafter(step_ids, hidden, pos + i, attention_mask=built_mask(mask), cache=cache)
         if loss_chunk_tokens > 0:
             ce, pred = chunked_soft_ce(drafter, hidden, target_p, ahead, loss_kernel, loss_chunk_tokens)
+        elif shard is not None:  # the halo's targets: rows t.. of target_p exist
+            ce, pred = soft_cross_entropy(drafter.logits(hidden), target_p[:, ahead : ahead + t], 0, loss_kernel)
         else:
             ce, pred = soft_cross_entropy(drafter.logits(hidden), target_p, ahead, loss_kernel)  # [B, T] each
         w = valid.float()
-        count = w.sum()
-        ce_i = (ce * w).sum() / count.clamp(min=1)
+        count = w.sum() if shard is None else group_counts[i]
+        ce_sum = (ce * w).sum()
+        ce_i = ce_sum / count.clamp(min=1)
         total = total + loss_decay**i * ce_i
-        hit = pred == _shift(target_ids, ahead)
+        hit = pred == own(_shift(target_ids, ahead))
         if i < walk_steps:
             hits_by_step.append(hit & servable)
         hits = (hit & valid).float().sum()
         # Serving cannot accept a target token outside the draft vocab: count those as misses too.
         scored = scored_mask.float().sum()
-        stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
+        if shard is not None:
+            stats.append(torch.stack([ce_sum.detach(), hits, scored]))
+        else:
+            stats.append(torch.stack([ce_i.detach(), hits / count.clamp(min=1), count, hits / scored.clamp(min=1)]))
+    if shard is not None:  # the group's sums -> its stats
+        ce_sum, hits, scored = cp.all_reduce(torch.stack(stats)).unbind(dim=1)
+        count = group_counts.clamp(min=1)
+        stats = torch.stack([ce_sum / count, hits / count, group_counts, hits / scored.clamp(min=1)], dim=1).unbind(0)
     walk = chain_walk(torch.stack(hits_by_step), loss_mask, seq) if hits_by_step else None
     return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay, walk=walk)
 

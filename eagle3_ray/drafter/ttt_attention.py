@@ -30,20 +30,30 @@ import torch
 class Segments:
     """Runs of equal sample id in a flattened [B * T] batch: cumulative starts (int32, on the
     batch's device), the longest run, and the [B, T] shape. Padding runs are segments too: they
-    only ever attend to padding."""
+    only ever attend to padding.
 
-    cu_seqlens: torch.Tensor  # [n + 1] int32
+    ``key_shift`` (context parallelism, train/context_parallel.py; B = 1): the step-0 keys are this
+    many keys of the first run's sample from earlier workers, then the T local ones. The first
+    segment's keys then start ``key_shift`` earlier than its queries (``cu_seqlens_k``), and causal
+    attention aligned at the segment's end (flash attention's rule when there are more keys than
+    queries) lets query j see the first ``key_shift + j + 1`` of them. 0: keys are the queries' tokens."""
+
+    cu_seqlens: torch.Tensor  # [n + 1] int32 (the queries' runs)
     max_len: int
     batch: int
     length: int
     token_segment: torch.Tensor  # [B*T] long: each token's segment
     token_offset: torch.Tensor  # [B*T] long: its position within the segment
+    key_shift: int = 0
+    cu_seqlens_k: torch.Tensor | None = None  # [n + 1] int32, the keys' runs (None: cu_seqlens)
+    max_len_k: int = 0  # the longest key run (0: max_len)
 
     @classmethod
-    def of(cls, seq_ids: torch.Tensor, device: torch.device | str | None = None) -> Segments:
+    def of(cls, seq_ids: torch.Tensor, device: torch.device | str | None = None, key_shift: int = 0) -> Segments:
         """From [B, T] sample ids, on ``device`` (default: theirs). From ids on the GPU this waits for
         them (a host sync); the training loop's prefetch thread builds them from the host's ids
-        instead (``train.data.row_to_batch``), so that the step never waits."""
+        instead (``train.data.row_to_batch``), so that the step never waits. ``key_shift``: see the
+        class docstring."""
         b, t = seq_ids.shape
         ids = seq_ids.detach().cpu()
         change = torch.ones(b, t, dtype=torch.bool)
@@ -54,17 +64,40 @@ class Segments:
         offset = torch.arange(b * t) - starts[segment]
         dev = torch.cat([cu, segment, offset]).to(device or seq_ids.device)  # one copy, not three
         n = cu.shape[0]
-        return cls(dev[:n].to(torch.int32), int((cu[1:] - cu[:-1]).max()), b, t, dev[n : n + b * t], dev[n + b * t :])
+        lengths = cu[1:] - cu[:-1]
+        if not key_shift:
+            return cls(dev[:n].to(torch.int32), int(lengths.max()), b, t, dev[n : n + b * t], dev[n + b * t :])
+        if b != 1:
+            raise ValueError(f"key_shift needs one row (a context-parallel shard), got {b} rows")
+        cu_k = torch.cat([cu[:1], cu[1:] + key_shift]).to(device or seq_ids.device, torch.int32)
+        return cls(dev[:n].to(torch.int32), int(lengths.max()), b, t, dev[n : n + b * t], dev[n + b * t :],
+                   key_shift, cu_k, max(int(lengths.max()), int(lengths[0]) + key_shift))
+
+    @property
+    def cu_k(self) -> torch.Tensor:
+        return self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+
+    @property
+    def max_k(self) -> int:
+        return self.max_len_k or self.max_len
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """As ``Tensor.record_stream``, for its tensors (made on a prefetch stream, used on another)."""
-        for x in (self.cu_seqlens, self.token_segment, self.token_offset):
-            x.record_stream(stream)
+        for x in (self.cu_seqlens, self.token_segment, self.token_offset, self.cu_seqlens_k):
+            if x is not None:
+                x.record_stream(stream)
 
     def mask(self) -> torch.Tensor:
-        """[B*T, B*T] bool: key s is visible to query t (same segment, s <= t); the reference's mask."""
+        """[B*T, key_shift + B*T] bool: key s is visible to query t (same segment, s <= t); the
+        reference's mask. Keys before the queries' tokens (``key_shift``) belong to the first segment."""
         seg, off = self.token_segment, self.token_offset
-        return (seg[:, None] == seg[None, :]) & (off[:, None] >= off[None, :])
+        if not self.key_shift:
+            return (seg[:, None] == seg[None, :]) & (off[:, None] >= off[None, :])
+        d = self.key_shift
+        seg_k = torch.cat([seg.new_zeros(d), seg])  # the earlier keys: the first run's sample
+        pos_k = torch.arange(d + seg.shape[0], device=seg.device)
+        pos_q = torch.arange(seg.shape[0], device=seg.device) + d
+        return (seg[:, None] == seg_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
 
 
 class TTTCache:
@@ -134,7 +167,8 @@ class _TTTAttention(torch.autograd.Function):
         lse_flat = lse.permute(0, 2, 1).reshape(b * t, h).contiguous()
         dq, dk0, dv0 = prefix.backward(_flat(grad_out), _flat(q), _flat(k0), _flat(v0), _flat(out), lse_flat,
                                        segments, scale)
-        dq, dk0, dv0 = _unflat(dq, b, t), _unflat(dk0, b, t), _unflat(dv0, b, t)
+        tk = k0.shape[2]  # t + segments.key_shift
+        dq, dk0, dv0 = _unflat(dq, b, t), _unflat(dk0, b, tk), _unflat(dv0, b, tk)
         if kd is None:
             return dq, dk0, dv0, None, None, None, None
         # Diagonal: p = exp(s - lse); dv = p dO; ds = p (dO.v - D), D = rowsum(dO * O); dq += ds k; dk = ds q.
@@ -207,7 +241,7 @@ class _prefix_reference:
     @staticmethod
     def backward(grad_out, q, k, v, out, lse, segments, scale):
         """Gradients of q, k, v given the whole row's output ``out`` and log-sum-exp ``lse`` [N, h]."""
-        n, h, d = q.shape
+        _, h, d = q.shape
         kv = k.shape[1]
         p, _, kx = _prefix_reference._probs(q, k, segments, scale, lse.transpose(0, 1))
         go = _wide(grad_out)
@@ -218,7 +252,7 @@ class _prefix_reference:
         ds = p * (dp - delta[..., None]) * scale
         dq = torch.einsum("hqk,khd->qhd", ds, kx)
         dk = torch.einsum("hqk,qhd->khd", ds, _wide(q))
-        fold = lambda x: x.view(n, kv, h // kv, d).sum(2)  # noqa: E731 (query heads -> their kv head)
+        fold = lambda x: x.view(x.shape[0], kv, h // kv, d).sum(2)  # noqa: E731 (query heads -> their kv head)
         return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
@@ -227,17 +261,19 @@ class _prefix_flash:
 
     @staticmethod
     def forward(q, k, v, segments, scale):
-        cu, m = segments.cu_seqlens, segments.max_len
-        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, True, False, scale=scale)
+        cu, m, cu_k, m_k = segments.cu_seqlens, segments.max_len, segments.cu_k, segments.max_k
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu_k, m, m_k, 0.0, True, False,
+                                                               scale=scale)
         return out, _lse_rows(lse, segments)
 
     @staticmethod
     def backward(grad_out, q, k, v, out, lse, segments, scale):
-        cu, m = segments.cu_seqlens, segments.max_len
+        cu, m, cu_k, m_k = segments.cu_seqlens, segments.max_len, segments.cu_k, segments.max_k
         seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: the rng state is unused
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out, q, k, v, out, _lse_kernel(lse, segments), cu, cu, m, m, 0.0, True, seed, unused, scale=scale)
+            grad_out, q, k, v, out, _lse_kernel(lse, segments), cu, cu_k, m, m_k, 0.0, True, seed, unused,
+            scale=scale)
         return dq, dk, dv
 
 

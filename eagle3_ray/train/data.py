@@ -39,13 +39,21 @@ def packed_row(records: list[dict]) -> dict[str, np.ndarray]:
     return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
+CP_KEYS = ("cp_local", "cp_offset", "cp_key_shift", "cp_tokens")  # a context-parallel shard's `CPShard`
+
+
 class LoadPackUDF:
     """Reads packs' samples from the store and emits packed rows (the module docstring's forms): an
-    fp8 store's rows carry its hidden states as stored."""
+    fp8 store's rows carry its hidden states as stored.
 
-    def __init__(self, store_root: str, on_corrupt: str = "abort"):
+    ``cp`` = (size, rank, halo) (``train.context_parallel``): each row is rank ``rank``'s shard of its pack
+    instead (`context_parallel.shard_span`: the rank's T tokens and ``halo`` more, padded past the pack's
+    end; only the samples it overlaps are read), with the shard's place in `CP_KEYS` columns."""
+
+    def __init__(self, store_root: str, on_corrupt: str = "abort", cp: tuple[int, int, int] | None = None):
         self.store = open_store(store_root, on_corrupt=on_corrupt)
         self.as_stored = self.store.meta.compact == "fp8"
+        self.cp = cp
 
     def _read(self, i: int) -> dict:
         if not self.as_stored:
@@ -58,14 +66,49 @@ class LoadPackUDF:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         keys = PACKED_KEYS + (SCALE_KEYS if self.as_stored else ())
         cols: dict[str, list] = {k: [] for k in keys}
+        shards: dict[str, list] = {k: [] for k in CP_KEYS}
         for samples in batch["samples"]:
-            records = [self._read(int(i)) for i in samples]
-            row = packed_row(records)
-            if self.as_stored:
-                row.update({k: torch.cat([r[k] for r in records]).numpy() for k in SCALE_KEYS})
+            if self.cp is not None:
+                row, shard = self._shard_row([int(i) for i in samples])
+                for k, v in zip(CP_KEYS, (shard.local, shard.offset, shard.key_shift, shard.tokens)):
+                    shards[k].append(v)
+            else:
+                records = [self._read(int(i)) for i in samples]
+                row = packed_row(records)
+                if self.as_stored:
+                    row.update({k: torch.cat([r[k] for r in records]).numpy() for k in SCALE_KEYS})
             for k in cols:
                 cols[k].append(row[k])
-        return {"key": batch["key"], **{k: ragged(v) for k, v in cols.items()}}
+        out = {"key": batch["key"], **{k: ragged(v) for k, v in cols.items()}}
+        if self.cp is not None:
+            out.update({k: np.asarray(v, dtype=np.int64) for k, v in shards.items()})
+        return out
+
+    def _shard_row(self, samples: list[int]):
+        """(row, `CPShard`): this rank's shard of the pack of ``samples``, from the samples it overlaps."""
+        from eagle3_ray.train.context_parallel import cut_shard, shard_span  # torch + the drafter: workers only
+
+        size, rank, halo = self.cp
+        span = shard_span([int(self.store.lengths[i]) for i in samples], size, rank, halo)
+        records = [self._read(i) for i in samples[span.first : span.stop]]
+        if records:
+            packed = collate(records)
+            packed["seq_ids"] += span.first  # the pack's sample numbers (collate counts from 0)
+            if self.as_stored:
+                packed.update({k: torch.cat([r[k] for r in records])[None] for k in SCALE_KEYS})
+        else:  # a shard of padding only (a pack shorter than its group)
+            packed = self._empty()
+        part = cut_shard(packed, span)
+        return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in part.items()}, \
+            span.shard
+
+    def _empty(self) -> dict[str, torch.Tensor]:
+        """A zero-token pack with this store's columns (dtypes and widths from its first sample)."""
+        rec = self._read(0)
+        packed = {k: v[None, :0] for k, v in collate([rec]).items()}
+        if self.as_stored:
+            packed.update({k: rec[k][None, :0] for k in SCALE_KEYS})
+        return packed
 
 
 def pack_rows(packs: list[Pack]) -> list[dict]:
@@ -73,9 +116,11 @@ def pack_rows(packs: list[Pack]) -> list[dict]:
 
 
 def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loaders: int = 2,
-                        num_cpus: float | None = None):
+                        num_cpus: float | None = None, cp: tuple[int, int, int] | None = None):
     """Packed rows of `packs` read from the store by up to `loaders` LoadPackUDF actors (each
-    reserving `num_cpus`, Ray Data's default when None)."""
+    reserving `num_cpus`, Ray Data's default when None); with ``cp`` = (size, rank, halo), rank
+    ``rank``'s shards of them, in the packs' order (a context-parallel group's ranks must meet on the
+    same pack: the trainer has Ray Data preserve the order of these datasets, trainer.py's ``fit``)."""
     rows = pack_rows(packs)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 200)))
     # No Ray Data progress from the training workers' split coordinator: its bars, forwarded to the
@@ -84,7 +129,7 @@ def build_train_dataset(packs: list[Pack], store_root: str, on_corrupt: str, loa
     ds.context.enable_progress_bars = False
     return ds.map_batches(
         LoadPackUDF,
-        fn_constructor_kwargs=dict(store_root=store_root, on_corrupt=on_corrupt),
+        fn_constructor_kwargs=dict(store_root=store_root, on_corrupt=on_corrupt, cp=cp),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=loaders),
         batch_size=1,
         batch_format="numpy",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import ray.train
 import torch
 
@@ -26,10 +27,13 @@ from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
 from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.drafter.ttt_attention import Segments
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
 from eagle3_ray.train import checkpoint as ck
-from eagle3_ray.train.data import row_to_batch
+from eagle3_ray.train.context_parallel import ContextParallel, CPShard
+from eagle3_ray.train.context_parallel import setup as cp_setup
+from eagle3_ray.train.data import CP_KEYS, row_to_batch
 from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
 from eagle3_ray.train.schedule import warmup_cosine
 from eagle3_ray.train.step import ADAMW_BETAS, ADAMW_EPS, StepConfig, TrainStep, resolve_attention
@@ -172,7 +176,7 @@ class Trainer:
         self.hidden_dtype = torch.bfloat16 if job.use_gpu else torch.float32
         self.attention = resolve_attention(
             self.t.attention, self.device.type, job.drafter_config.head_dim,
-            torch.cuda.get_device_capability(self.device) if job.use_gpu else None)
+            torch.cuda.get_device_capability(self.device) if job.use_gpu else None, self.t.context_parallel)
         self.loss_kernel = resolve_loss_kernel(self.t.loss_kernel, self.device.type)
         self.max_steps = min(job.total_steps, self.t.max_steps or job.total_steps)
         self.metrics_path = Path(job.out_dir) / "metrics.jsonl"
@@ -186,6 +190,7 @@ class Trainer:
         self.train_tokens: int | None = 0
         self.unsynced_tokens = 0
         self.engine = self.train_step = self.vote_group = self.val_shard = self.val_rows = None
+        self.cp = ContextParallel()  # this rank's context-parallel group (setup)
 
     def setup(self) -> Trainer:
         import deepspeed  # heavy: imported in the worker only
@@ -209,10 +214,12 @@ class Trainer:
             config=_ds_config(t, job.use_gpu),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
+        self.vote_group = _vote_group()  # before restore: rank 0 broadcasts its choice of checkpoint on it
+        self.cp = cp_setup(t.context_parallel)  # every rank, in the same order: it makes the groups
         # Rows reach the step already laid out by the prefetch thread (row_to_batch): no row_tokens here.
         self.train_step = TrainStep(self.engine, lm_head,
-                                    StepConfig.from_train(t, self.attention, loss_kernel=self.loss_kernel))
-        self.vote_group = _vote_group()  # before restore: rank 0 broadcasts its choice of checkpoint on it
+                                    StepConfig.from_train(t, self.attention, loss_kernel=self.loss_kernel),
+                                    cp=self.cp)
         self.global_step, self.consumed = self.restore()
         self.resumed_from = self.global_step
         name = f"val_{self.rank}"
@@ -310,7 +317,9 @@ class Trainer:
     def fit(self) -> None:
         """Train on this worker's shard until `max_steps` or the data runs out on any rank."""
         # Packs are fetched and copied to the device on a background thread while the step runs.
-        prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard("train")), self._convert, self.device,
+        # With context parallelism each rank reads its own shards of its group's packs (trainer.py: cp_datasets).
+        name = f"train_{self.rank}" if self.cp.enabled else "train"
+        prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard(name)), self._convert, self.device,
                                   skip=frozenset(self.consumed), depth=self.t.prefetch_packs)
         try:
             self._loop(prefetch)
@@ -331,6 +340,8 @@ class Trainer:
             if not _all_have_data(item is not None, self.vote_group):
                 break
             key, batch, pack_tokens = item
+            if self.cp.enabled:
+                self.cp.check_same_pack(key)
             self.consumed.add(key)
             out = self.step(batch)
             tokens += pack_tokens
@@ -383,7 +394,17 @@ class Trainer:
                       for k, v in m.items() if k.startswith("val_tau/")))
 
     def _convert(self, row: dict) -> tuple[dict[str, torch.Tensor], int]:
-        """Prefetch thread: a packed row -> (device batch, the pack's sample tokens)."""
+        """Prefetch thread: a packed row -> (device batch, the pack's sample tokens); a context-parallel
+        shard's row -> (its batch with its `CPShard`, the sample tokens the rank owns)."""
+        if CP_KEYS[0] in row:
+            shard = CPShard(*(int(row[k]) for k in CP_KEYS))
+            batch = row_to_batch(row, self.device, self.hidden_dtype)
+            batch["cp_shard"] = shard
+            if self.attention == "varlen":
+                batch["segments"] = Segments.of(torch.from_numpy(np.asarray(row["seq_ids"][: shard.local],
+                                                                           dtype=np.int64))[None],
+                                                self.device, key_shift=shard.key_shift)
+            return batch, shard.tokens
         row_tokens = self.t.row_tokens if self.attention == "sdpa" else None
         return (row_to_batch(row, self.device, self.hidden_dtype, row_tokens, segments=self.attention == "varlen"),
                 len(row["input_ids"]))

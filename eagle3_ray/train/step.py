@@ -24,6 +24,7 @@ import torch
 
 from eagle3_ray.drafter.ttt import WALK_STEPS, TTTOutput, held_out_metrics, held_out_sums, ttt_forward
 from eagle3_ray.errors import ConfigError
+from eagle3_ray.train.context_parallel import CP_ATTENTION, ContextParallelError
 
 # AdamW settings of every drafter optimizer (the DeepSpeed config's and `adamw`'s).
 ADAMW_BETAS = (0.9, 0.95)
@@ -70,15 +71,20 @@ class StepConfig:
 
 
 def resolve_attention(setting: str, device_type: str, head_dim: int | None = None,
-                      capability: tuple[int, int] | None = None) -> str:
+                      capability: tuple[int, int] | None = None, context_parallel: int = 1) -> str:
     """``train.attention`` -> the implementation to run.
 
     ``auto``: varlen on CUDA (each sample's causal prefix through flash attention's varlen kernel,
     the TTT diagonal apart: the fastest, benchmarks/results/README.md "The H200 session of
     2026-12-04"), sdpa elsewhere (varlen's CPU path computes every score explicitly) and on a GPU
     or drafter shape flash attention does not take (``head_dim``, the GPU's compute ``capability``:
-    unknown ones are taken as supported). flex trains only on CUDA (no CPU backward).
+    unknown ones are taken as supported). flex trains only on CUDA (no CPU backward). With
+    ``context_parallel`` > 1 only sdpa and varlen gather keys over the group (flex is refused).
     """
+    if context_parallel > 1 and setting not in ("auto", *CP_ATTENTION):
+        raise ContextParallelError(
+            f"train.attention={setting} does not gather keys over a context-parallel group; use train.attention="
+            "varlen (CUDA), sdpa, or auto, or set train.context_parallel=1")
     flash = flash_varlen_supported(head_dim, capability)
     if setting == "auto":
         return "varlen" if device_type == "cuda" and flash else "sdpa"
@@ -147,10 +153,16 @@ class TorchEngine:
 
 
 class TrainStep:
-    """The training step over an `Engine` (DeepSpeed's, or `TorchEngine`) and the frozen target lm_head."""
+    """The training step over an `Engine` (DeepSpeed's, or `TorchEngine`) and the frozen target lm_head.
 
-    def __init__(self, engine: Engine, lm_head: torch.Tensor, cfg: StepConfig):
+    ``cp`` (`train.context_parallel.ContextParallel`): batches that are context-parallel shards (their
+    ``cp_shard``) run with its group; the rank's loss is backpropagated times the group's size, since the
+    engine averages gradients over every rank of the world and the group's gradient is the sum over its
+    ranks (train/context_parallel.py). Held-out evaluation runs whole packs, without it."""
+
+    def __init__(self, engine: Engine, lm_head: torch.Tensor, cfg: StepConfig, cp=None):
         self.engine, self.lm_head, self.cfg = engine, lm_head, cfg
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self.micro_steps = 0
 
     @property
@@ -161,16 +173,18 @@ class TrainStep:
         """The TTT loss and stats of one batch (on the drafter's device), with gradients unless the
         caller disables them; ``walk_steps``: also the walked chain (`drafter.ttt.chain_walk`)."""
         c = self.cfg
+        cp = self.cp if "cp_shard" in batch else None
         with self._autocast(batch["input_ids"]):
             return ttt_forward(self.engine.module, batch, self.lm_head, c.ttt_steps, c.loss_decay, c.attention,
                                pad_to=c.pad_to, row_tokens=c.row_tokens, loss_kernel=c.loss_kernel,
                                walk_steps=walk_steps, loss_chunk_tokens=c.loss_chunk_tokens,
-                               recompute_steps=c.recompute_steps)
+                               recompute_steps=c.recompute_steps, cp=cp)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
         """Forward, backward, and the engine's step (the optimizer steps at the end of each window)."""
         out = self.forward(batch)
-        self.engine.backward(out.loss)
+        shard = "cp_shard" in batch and self.cp is not None
+        self.engine.backward(out.loss * self.cp.size if shard else out.loss)
         self.engine.step()
         self.micro_steps += 1
         return out

@@ -173,11 +173,15 @@ def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out:
     )
     heads = save_target_heads(cfg.target, target.resolved, out)
     t = cfg.train
+    # A context-parallel group of workers trains on one pack at a time, split over its workers: packs of up
+    # to context_parallel x batch_tokens tokens, one per group and micro-step.
+    cp = t.context_parallel
+    pack_tokens = t.batch_tokens * cp
     if keep is None:
-        packs = plan(lengths, t.batch_tokens, t.epochs, t.seed)
+        packs = plan(lengths, pack_tokens, t.epochs, t.seed)
     else:
-        packs = remap(plan(np.asarray(lengths)[keep], t.batch_tokens, t.epochs, t.seed), keep)
-    per_step = t.num_workers * t.grad_accum
+        packs = remap(plan(np.asarray(lengths)[keep], pack_tokens, t.epochs, t.seed), keep)
+    per_step = t.num_workers // cp * t.grad_accum
     total = max(1, len(packs) // per_step)
     if t.max_steps:
         total = min(total, t.max_steps)
@@ -190,11 +194,15 @@ def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out:
     }
     if t.val_share:  # the training packs depend on it (absent when 0: older checkpoints still match)
         run_identity["val_share"] = t.val_share
+    if cp > 1:  # so do the packs and the ranks' data (absent when off: older checkpoints still match)
+        run_identity["context_parallel"] = cp
     n_train = len(lengths) if keep is None else len(keep)
     say(
         f"[train] {n_train} samples, {sum(p.tokens for p in packs if p.epoch == 0):,} tokens -> {len(packs)} packs over {t.epochs} "
-        f"epoch(s) (padding efficiency {padding_efficiency(packs, t.batch_tokens):.1%}); {total} optimizer "
-        f"steps on {t.num_workers} worker(s); drafter H={drafter_cfg.hidden_size} "
+        f"epoch(s) (padding efficiency {padding_efficiency(packs, pack_tokens):.1%}); {total} optimizer "
+        f"steps on {t.num_workers} worker(s)"
+        + (f" in {t.num_workers // cp} context-parallel group(s) of {cp}" if cp > 1 else "")
+        + f"; drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}"
     )
     return TrainPlan(drafter_config=drafter_cfg, heads_path=str(heads.resolve()), vocab_path=str(vocab_path.resolve()),
@@ -220,8 +228,12 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
     save_resolved(cfg, out)
     train_plan, _ = plan_training(cfg, features, vocab, out)
     root = str(Path(features).resolve())
-    dataset = build_train_dataset(train_plan.packs, root, cfg.extract.on_corrupt_shard,
-                                  loaders=cfg.train.pack_loaders * cfg.train.num_workers)
+    t = cfg.train
+    if t.context_parallel > 1:  # rank r reads its own shard of every pack of its group (train_<r>)
+        dataset = cp_datasets(train_plan.packs, root, cfg.extract.on_corrupt_shard, t)
+    else:
+        dataset = build_train_dataset(train_plan.packs, root, cfg.extract.on_corrupt_shard,
+                                      loaders=t.pack_loaders * t.num_workers)
     # Held-out packs, dealt to the ranks here: Ray Train's split is equal-sized and would drop the
     # packs that do not divide evenly. Each rank reads only its own "val_<rank>" (unsplit); its loader
     # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs.
@@ -230,6 +242,24 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
                                            num_cpus=0)
            for r in range(workers) if val_packs[r::workers]}
     return fit(cfg, train_plan, dataset, out, t0, trains_on_gpu(cfg), val_datasets=val)
+
+
+def cp_datasets(packs: list[Pack], root: str, on_corrupt: str, t) -> dict:
+    """Context parallelism: {"train_<rank>": that rank's shards of its group's packs} (group g of G takes
+    packs g, g + G, ...; every rank of it the same ones, in the same order), `t.pack_loaders` loaders each."""
+    cp, workers = t.context_parallel, t.num_workers
+    groups = workers // cp
+    return {f"train_{r}": build_train_dataset(packs[r // cp :: groups], root, on_corrupt, loaders=t.pack_loaders,
+                                              cp=(cp, r % cp, t.ttt_steps))
+            for r in range(workers)}
+
+
+def cp_data_config(datasets: dict):
+    """Ray Train's DataConfig of `cp_datasets`: none split (each rank reads its own whole), their order
+    preserved (a group's ranks meet on the same pack at every step)."""
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return ray.train.DataConfig(datasets_to_split=[], execution_options={name: options for name in datasets})
 
 
 def fit_off_main_thread(trainer):
@@ -257,11 +287,17 @@ def fit_off_main_thread(trainer):
 
 def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: float, use_gpu: bool,
         dataset_config=None, val_datasets=None) -> Path:
-    """Run the TorchTrainer on `dataset` (rows of packed micro-batches); resume from the latest
-    checkpoint of the same run; returns the final checkpoint directory. `val_datasets`: held-out
-    packs per rank ("val_<rank>", not split), evaluated every `train.eval_every` steps."""
+    """Run the TorchTrainer on `dataset` (rows of packed micro-batches; with train.context_parallel,
+    `cp_datasets`' dict of per-rank datasets); resume from the latest checkpoint of the same run; returns
+    the final checkpoint directory. `val_datasets`: held-out packs per rank ("val_<rank>", not split),
+    evaluated every `train.eval_every` steps."""
     # Refuse an impossible attention setting here, not after the workers have started.
-    resolve_attention(cfg.train.attention, "cuda" if use_gpu else "cpu", train_plan.drafter_config.head_dim)
+    resolve_attention(cfg.train.attention, "cuda" if use_gpu else "cpu", train_plan.drafter_config.head_dim,
+                      context_parallel=cfg.train.context_parallel)
+    train_sets = dataset if isinstance(dataset, dict) else {"train": dataset}
+    if dataset_config is None:
+        dataset_config = (cp_data_config(train_sets) if cfg.train.context_parallel > 1
+                          else ray.train.DataConfig(datasets_to_split=["train"]))
     if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / TRAIN_STORAGE
@@ -289,8 +325,8 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         ),
-        datasets={"train": dataset, **(val_datasets or {})},
-        dataset_config=dataset_config or ray.train.DataConfig(datasets_to_split=["train"]),
+        datasets={**train_sets, **(val_datasets or {})},
+        dataset_config=dataset_config,
     )
     result = fit_off_main_thread(trainer)
     if result.error is not None:
