@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Sequence
@@ -40,11 +39,9 @@ from eagle3_ray.engines.sglang_capture import check_hard_links, read_capture
 from eagle3_ray.engines.sglang_hooks import capture_path
 from eagle3_ray.engines.sglang_process import (
     EngineDied,
-    cancel_tasks,
+    EngineLoop,
     kill_pids,
     launch_sglang,
-    live_children,
-    run_loop,
 )
 from eagle3_ray.errors import ConfigError, EngineError
 
@@ -98,8 +95,7 @@ class SGLangEngine:
         # requests when a forward ends. (``Engine.generate`` blocks on that loop with
         # ``run_until_complete``: one call at a time, and SGLang idles from one call's answer to the
         # next call's requests.) ``target.sglang.max_concurrent_calls`` bounds the calls in flight.
-        self._loop: Any = None
-        self._loop_thread: threading.Thread | None = None
+        self._runner: EngineLoop | None = None
         limit = target_cfg.sglang.max_concurrent_calls
         self._slots = threading.BoundedSemaphore(limit) if limit else None
         # Where capture calls spend their time, summed since the engine was built (seconds): waiting
@@ -131,8 +127,7 @@ class SGLangEngine:
             kwargs = self._kwargs()
             check_server_args(kwargs)
             # A failed start raises EngineStartError naming its cause, and leaves this process alive.
-            what = f"the SGLang engine (mode {self.mode}) of target.model={self._target.model!r}"
-            self._engine, self._procs = launch_sglang(kwargs, self._factory, what)
+            self._engine, self._procs = launch_sglang(kwargs, self._factory, self._what)
         except BaseException:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
@@ -144,40 +139,28 @@ class SGLangEngine:
         if not isinstance(loop, asyncio.AbstractEventLoop) or not hasattr(self._engine, "async_generate"):
             self._stop_engine()
             raise EngineError(f"this sglang.Engine has no asyncio loop (engine.loop) or no async_generate: {INSTALL_HINT}")
-        self._loop = loop
-        self._loop_thread = threading.Thread(target=run_loop, args=(loop,), name="eagle3-ray-sglang-loop", daemon=True)
-        self._loop_thread.start()
+        self._runner = EngineLoop(self._engine, self._procs, self._what)
         logger.info("SGLang engine up (mode %s, processes %s)", self.mode, sorted(self._procs))
 
-    def _dead(self) -> list[int]:
-        return sorted(self._procs - live_children())
+    @property
+    def _what(self) -> str:
+        return f"the SGLang engine (mode {self.mode}) of target.model={self._target.model!r}"
 
-    def _current(self, generation: int) -> tuple[Any, Any, Path | None]:
-        """The engine, its loop and its capture directory, if ``generation`` is still the live engine."""
+    def _dead(self) -> list[int]:
+        return self._runner.dead() if self._runner is not None else []
+
+    def _current(self, generation: int) -> tuple[Any, EngineLoop, Path | None]:
+        """The engine, its loop runner and its capture directory, if ``generation`` is still the live engine."""
         with self._restart_lock:  # not halfway through a restart
-            if generation != self._generation or self._engine is None:
+            if generation != self._generation or self._engine is None or self._runner is None:
                 raise EngineDied("the engine was restarted")
-            return self._engine, self._loop, self._dir
+            return self._engine, self._runner, self._dir
 
     def _call(self, generation: int, fn: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
-        """Await ``fn(sglang_engine)`` on the engine's loop, watching the engine's processes meanwhile."""
-        engine, loop, _ = self._current(generation)
-        future = asyncio.run_coroutine_threadsafe(fn(engine), loop)
-        while True:
-            try:
-                return future.result(timeout=sp.LIVENESS_POLL_S)
-            except FutureTimeout:
-                dead = self._dead() if generation == self._generation else [-1]
-                if not dead:
-                    continue
-                # SGLang's tokenizer manager waits forever for an answer the dead scheduler will never send.
-                future.cancel()
-                raise EngineDied(f"SGLang processes {dead} exited during the call")
-            except Exception as e:
-                dead = self._dead() if generation == self._generation else [-1]
-                if dead:
-                    raise EngineDied(f"SGLang processes {dead} exited during the call ({e})") from e
-                raise
+        """Await ``fn(sglang_engine)`` on the engine's loop, watching the engine's processes meanwhile
+        (``EngineLoop.call``: a dead process, or the engine stopped by a restart, is ``EngineDied``)."""
+        engine, runner, _ = self._current(generation)
+        return runner.call(fn(engine))
 
     def _slot(self) -> float:
         """Wait for a call slot (``max_concurrent_calls``); returns the seconds waited."""
@@ -343,16 +326,12 @@ class SGLangEngine:
         return self._retrying(attempt)
 
     def _stop_engine(self) -> None:
-        loop, thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None
-        if loop is not None and thread is not None and thread.is_alive():
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=30)
-            if not thread.is_alive():
-                cancel_tasks(loop)
-        engine, self._engine = self._engine, None
-        if engine is not None:
+        runner, engine, self._runner, self._engine = self._runner, self._engine, None, None
+        if runner is not None:
+            runner.close()  # its loop stopped, SGLang's own shutdown, then whatever is left killed
+        elif engine is not None:  # started but refused (no loop)
             try:
-                engine.shutdown()  # kills this process's child tree (SGLang's own shutdown)
+                engine.shutdown()
             except Exception:
                 logger.exception("shutting down the SGLang engine failed; killing its processes")
         kill_pids(self._procs)

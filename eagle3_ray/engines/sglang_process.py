@@ -16,6 +16,7 @@ import re
 import stat
 import threading
 import time
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Coroutine
 
@@ -229,8 +230,13 @@ class EngineLoop:
     def __init__(self, engine: Any, procs: set[int], what: str):
         self.engine, self.procs, self.what = engine, set(procs), what
         self.loop = engine.loop
+        self.closed = False
         self.thread = threading.Thread(target=run_loop, args=(self.loop,), name="eagle3-ray-sglang-loop", daemon=True)
         self.thread.start()
+
+    def dead(self) -> list[int]:
+        """The engine's processes that exited (all of them once it is closed)."""
+        return sorted(self.procs) if self.closed else sorted(self.procs - live_children())
 
     def call(self, coro: Coroutine[Any, Any, Any], progress: Callable[[], int] | None = None,
              stall_s: float | None = None, report: Callable[[], None] | None = None, report_s: float = 30.0) -> Any:
@@ -244,9 +250,19 @@ class EngineLoop:
                     return future.result(timeout=LIVENESS_POLL_S)
                 except FutureTimeout:
                     pass
+                except FutureCancelled as e:  # close() cancels what is left on the loop
+                    raise EngineDied(f"{self.what} was stopped during the call") from e
+                except Exception as e:  # raised by the call: a dying engine's, or the call's own
+                    if self.dead():
+                        raise EngineDied(f"{self.what}: SGLang processes {self.dead()} exited during the call ({e})") from e
+                    raise
                 now = time.monotonic()
-                dead = sorted(self.procs - live_children())
+                if self.closed:  # stopped by another thread (an engine restarted): never answered
+                    future.cancel()
+                    raise EngineDied(f"{self.what} was stopped during the call")
+                dead = self.dead()
                 if dead:
+                    # SGLang's tokenizer manager waits forever for an answer a dead scheduler never sends
                     future.cancel()
                     cause = logged_failure(tail.read())
                     raise EngineDied(f"{self.what}: SGLang processes {dead} exited during the call"
@@ -270,6 +286,7 @@ class EngineLoop:
 
     def close(self) -> None:
         """Stop the loop, shut the engine down, kill what is left of its processes."""
+        self.closed = True
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
