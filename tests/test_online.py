@@ -122,3 +122,29 @@ def test_the_pack_capture_actor_packs_what_the_engine_captures(prepared):
         assert np.array_equal(rows["input_ids"][r], np.concatenate([ids[i] for i in pack]))
         assert np.array_equal(rows["loss_mask"][r].astype(bool), np.concatenate([masks[i] for i in pack]).astype(bool))
         assert np.array_equal(rows["seq_ids"][r], np.repeat(np.arange(len(pack)), [len(ids[i]) for i in pack]))
+
+
+def test_a_retried_hybrid_capture_call_does_not_commit_its_samples_twice(prepared, tmp_path):
+    """Hybrid mode: the capture actor commits each call's samples under a writer named after its pack
+    keys. Ray runs a call again when its actor died; the second attempt finds what the first committed
+    and writes only the rest, so the store (read by the later epochs) holds every sample once."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.extract.udfs import PackCaptureUDF
+    from eagle3_ray.features.store import StoreMeta, completed_ids, create_store, manifest
+
+    cfg = load_config(CI_CONFIG)
+    meta = StoreMeta.from_engine_info(describe_target(cfg.target))
+    store = tmp_path / "store"
+    create_store(store, meta)
+    udf = PackCaptureUDF(str(prepared), cfg.target, cfg.extract.batch_tokens, meta, store_root=str(store))
+    samples = np.empty(2, dtype=object)
+    samples[0], samples[1] = np.asarray([2, 0]), np.asarray([1])
+    batch = {"key": np.asarray(["0:0", "0:1"]), "samples": samples}
+    first = udf(batch)
+    ids = completed_ids(store)
+    assert len(ids) == 3
+    again = udf(batch)  # the same call, retried
+    assert list(again["key"]) == list(first["key"])  # it still feeds training its packs
+    assert all(np.array_equal(a, b) for a, b in zip(again["input_ids"], first["input_ids"]))
+    assert completed_ids(store) == ids
+    assert sum(len(m["sample_ids"]) for m in manifest(store)) == 3  # no duplicate rows in the store

@@ -107,8 +107,9 @@ class PackCaptureUDF(CaptureUDF):
     Loads the prepared token ids once; each call captures every sample of its packs in one engine
     call (the engine actor of `CaptureUDF`: its engine, not its numpy rows), drops samples that fail
     record validation (counted as rejects), and, in hybrid mode, commits them to the feature store
-    under a writer id derived from the pack keys (a retried call finds its shard and does not write
-    it twice). Hidden states stay bf16 tensors until the packed row (the layout of train/data.py,
+    under a writer id derived from the pack keys: a retried call (Ray retries a task whose actor died)
+    finds the samples its first attempt committed (`store.writer_committed_ids`) and does not write
+    them twice. Hidden states stay bf16 tensors until the packed row (the layout of train/data.py,
     bf16 as uint16) leaves the actor.
     """
 
@@ -160,7 +161,7 @@ class PackCaptureUDF(CaptureUDF):
         from eagle3_ray import metrics
         from eagle3_ray.errors import SampleRejected
         from eagle3_ray.features.record import validate_record
-        from eagle3_ray.features.store import FeatureStoreWriter
+        from eagle3_ray.features.store import FeatureStoreWriter, writer_committed_ids
 
         keep = []
         if self.store_root is None:
@@ -172,9 +173,13 @@ class PackCaptureUDF(CaptureUDF):
                     keep.append(False)
         else:
             wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
+            committed = writer_committed_ids(self.store_root, wid)  # by an earlier attempt of this call
             with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
                                     shard_max_bytes=self.shard_max_bytes) as w:
                 for rec in records:
+                    if rec["sample_id"] in committed:
+                        keep.append(True)
+                        continue
                     try:
                         w.add(rec)
                         keep.append(True)

@@ -265,6 +265,26 @@ def batch_committed(root: str | Path, writer_id: str) -> bool:
     return marker_file(root, shard_name(writer_id, 0)).exists()
 
 
+def writer_committed_ids(root: str | Path, writer_id: str) -> set[str]:
+    """Sample ids in ``writer_id``'s completed shards. Reads only that writer's markers: a call named
+    after its batch (hybrid training's capture actor) that is retried finds what its first attempt
+    committed and does not write it again."""
+    out: set[str] = set()
+    try:
+        seqs = sorted(set(existing_seqs(root, writer_id)))
+    except FileNotFoundError:  # no shard written yet
+        return out
+    for seq in seqs:
+        m = marker_file(root, shard_name(writer_id, seq))
+        try:
+            marker = read_marker(m)
+        except (OSError, ValueError):
+            continue
+        if shard_intact(m, marker):
+            out.update(marker["sample_ids"])
+    return out
+
+
 def cleanup_orphans(root: str | Path) -> list[Path]:
     """Remove what a crash leaves behind: temp files, shards without a marker, and markers whose
     shard is missing or truncated. Only call while no writer is running on ``root`` (a live
