@@ -130,7 +130,12 @@ def test_a_retried_hybrid_capture_call_does_not_commit_its_samples_twice(prepare
     and writes only the rest, so the store (read by the later epochs) holds every sample once."""
     from eagle3_ray.engines.describe import describe_target
     from eagle3_ray.extract.udfs import PackCaptureUDF
-    from eagle3_ray.features.store import StoreMeta, completed_ids, create_store, manifest
+    from eagle3_ray.features.store import (
+        StoreMeta,
+        completed_ids,
+        create_store,
+        manifest,
+    )
 
     cfg = load_config(CI_CONFIG)
     meta = StoreMeta.from_engine_info(describe_target(cfg.target))
