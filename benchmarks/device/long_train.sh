@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The long-sample wall on one GPU (issue 49, items 1-3), torch only (no payload to carry):
-#   1. flash attention's varlen kernel under context parallelism (tests/test_context_parallel.py, CUDA test);
-#   2. one TTT step (7 steps, the Triton loss) against sample length, 2K doubling until out of memory, at the
+#   1. one TTT step (7 steps, the Triton loss) against sample length, 2K doubling until out of memory, at the
 #      Llama-3.1-8B and Kimi-K2.5 drafter shapes, without and with the memory options
 #      (train.loss_chunk_tokens=4096, train.recompute_ttt_steps): benchmarks/train_step.py --sweep;
-#   3. the memory of the heaviest rank of a 2-worker context-parallel group on a 128K-token sample at the
-#      Kimi shape (train/context_parallel.py rank_step_memory), and 4 workers.
+#   2. the memory of the heaviest rank of a 2-worker context-parallel group on a 128K-token sample at the
+#      Kimi shape (train/context_parallel.py rank_step_memory), and 4 workers;
+#   3. flash attention's varlen kernel under context parallelism (tests/test_context_parallel.py, CUDA test).
 #
 #   OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh     # ~5 min on an H100
 # Writes $OUT/wall_<shape>[_options].json, $OUT/cp_memory.json, $OUT/long_train.log.
@@ -15,17 +15,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log="$OUT/long_train.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$log"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flash_varlen 2>&1 | tail -n 3 | tee -a "$log"
 sweep() {  # <preset> <tag> <max length> [options...]
   local preset=$1 tag=$2 max=$3; shift 3
-  timeout 200 python3 benchmarks/train_step.py --preset "$preset" --peak-tflops "$PEAK" --sweep --steps 2 --warmup 1 \
+  timeout "${SWEEP_S:-110}" python3 benchmarks/train_step.py --preset "$preset" --peak-tflops "$PEAK" --sweep --steps 2 --warmup 1 \
     --max-length "$max" --json "$OUT/wall_$tag.json" "$@" 2>&1 | grep -v "^\s*$" | tail -n 12 | tee -a "$log"
 }
-sweep llama3-8b 8b 131072
-sweep llama3-8b 8b_options 262144 --loss-chunk-tokens 4096 --recompute-ttt-steps
-sweep kimi-k2.5 kimi 131072
-sweep kimi-k2.5 kimi_options 262144 --loss-chunk-tokens 4096 --recompute-ttt-steps
-timeout 200 python3 - <<'EOF' 2>&1 | tee -a "$log"
+# the most wanted first: a call cut at its limit keeps what $OUT already holds
+sweep llama3-8b 8b 65536
+sweep kimi-k2.5 kimi 65536
+sweep llama3-8b 8b_options 131072 --loss-chunk-tokens 4096 --recompute-ttt-steps
+sweep kimi-k2.5 kimi_options 131072 --loss-chunk-tokens 4096 --recompute-ttt-steps
+timeout 100 python3 - <<'EOF' 2>&1 | tee -a "$log"
 import json, os, torch
 from eagle3_ray.train.context_parallel import rank_step_memory
 out = {"device": torch.cuda.get_device_name(0)}
@@ -35,3 +35,4 @@ for size in (2, 4):
     torch.cuda.empty_cache()
 json.dump(out, open(os.path.join(os.environ["OUT"], "cp_memory.json"), "w"), indent=1)
 EOF
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flash_varlen 2>&1 | tail -n 3 | tee -a "$log"
