@@ -489,7 +489,7 @@ def cp_exactness(context_parallel: int = 2, data_parallel: int = 1, packs: Seque
         spec = dict(context_parallel=context_parallel, cases=list(cases), packs=pack_sets, ttt_steps=ttt_steps,
                     shape=shape, seed=seed, device=device, backend=backend, dtype=dtype)
         mp.spawn(_check_worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, spec), nprocs=world)
-        got = torch.load(out)
+        got = torch.load(out, weights_only=True)
     report: dict[str, Any] = {}
     for case in cases:
         name = _case_name(case)
