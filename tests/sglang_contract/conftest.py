@@ -11,10 +11,12 @@ Inside the suite nothing is skipped: a missing package fails the session, naming
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,33 @@ def source_root() -> Path:
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.submodule_search_locations, "sglang is not importable"
     return Path(spec.submodule_search_locations[0])
+
+
+def compile_sglang_def(node: ast.AST, namespace: dict[str, Any], base: str | None = None,
+                       keep_decorators: set[str] | None = None):
+    """Compile one class or function definition of SGLang's source into ``namespace`` and return it.
+
+    Annotations are dropped, or become strings in class bodies (their types live in modules that need
+    CUDA to import); a class's bases are replaced by ``base`` (a mixin without fields) when given;
+    ``keep_decorators``: the decorators kept by name (None: all).
+    """
+    node = ast.parse(ast.unparse(node)).body[0]
+    if base is not None:
+        node.bases = [ast.Name(base, ast.Load())]
+        namespace.setdefault(base, object)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.AnnAssign):
+            sub.annotation = ast.Constant(ast.unparse(sub.annotation))
+        if isinstance(sub, ast.arguments):
+            for a in sub.posonlyargs + sub.args + sub.kwonlyargs:
+                a.annotation = None
+        if isinstance(sub, ast.FunctionDef):
+            sub.returns = None
+            if keep_decorators is not None:
+                sub.decorator_list = [d for d in sub.decorator_list if ast.unparse(d) in keep_decorators]
+    ast.fix_missing_locations(node)
+    exec(compile(ast.Module([node], []), f"<sglang {getattr(node, 'name', '')}>", "exec"), namespace)
+    return namespace[node.name]
 
 
 @pytest.fixture()

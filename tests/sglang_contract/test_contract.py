@@ -48,7 +48,7 @@ from eagle3_ray.engines.sglang_hooks import (  # noqa: E402
 )
 from eagle3_ray.errors import ConfigError, EngineError  # noqa: E402
 
-from conftest import source_root  # noqa: E402
+from conftest import compile_sglang_def, source_root  # noqa: E402
 
 SRT = source_root() / "srt"
 REPO = Path(__file__).resolve().parents[2]
@@ -76,38 +76,17 @@ def _method(rel: str, cls: str, name: str) -> ast.FunctionDef:
     return found[0]
 
 
-def _sglang_def(node: ast.AST, namespace: dict[str, Any], base: str | None = None):
-    """Compile one class/function definition of SGLang's source into ``namespace`` and return it.
-
-    Annotations become strings (their types live in modules we cannot import); a class's bases are
-    replaced by ``base`` (a mixin without fields) when given.
-    """
-    node = ast.parse(ast.unparse(node)).body[0]
-    if base is not None:
-        node.bases = [ast.Name(base, ast.Load())]
-        namespace.setdefault(base, object)
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.AnnAssign):
-            sub.annotation = ast.Constant(ast.unparse(sub.annotation))
-        if isinstance(sub, ast.arguments):
-            for a in sub.posonlyargs + sub.args + sub.kwonlyargs:
-                a.annotation = None
-        if isinstance(sub, ast.FunctionDef):
-            sub.returns = None
-    ast.fix_missing_locations(node)
-    exec(compile(ast.Module([node], []), f"<sglang {getattr(node, 'name', '')}>", "exec"), namespace)
-    return namespace[node.name]
 
 
 @pytest.fixture(scope="module")
 def forward_mode():
-    return _sglang_def(_class("model_executor/forward_batch_info.py", "ForwardMode"), {"IntEnum": IntEnum, "auto": auto})
+    return compile_sglang_def(_class("model_executor/forward_batch_info.py", "ForwardMode"), {"IntEnum": IntEnum, "auto": auto})
 
 
 @pytest.fixture(scope="module")
 def forward_batch_cls():
     ns = {"dataclass": dataclass, "field": field, "Optional": Optional, "List": List, "torch": torch}
-    return _sglang_def(_class("model_executor/forward_batch_info.py", "ForwardBatch"), ns, base="_NoMixin")
+    return compile_sglang_def(_class("model_executor/forward_batch_info.py", "ForwardBatch"), ns, base="_NoMixin")
 
 
 def _forward_batch(cls, mode, rids: list[str], lens: list[int], prefix: list[int] | None = None):
@@ -578,7 +557,7 @@ _SHIFT_MODELS = [
 
 def _layers_captured(rel: str, cls: str, ids: list[int] | None, num_layers: int) -> list[int]:
     """Run the model's real set_eagle3_layers_to_capture on a minimal object."""
-    method = _sglang_def(_method(rel, cls, "set_eagle3_layers_to_capture"), {"Optional": Optional, "List": List})
+    method = compile_sglang_def(_method(rel, cls, "set_eagle3_layers_to_capture"), {"Optional": Optional, "List": List})
     obj = SimpleNamespace(
         pp_group=SimpleNamespace(is_last_rank=True),
         config=SimpleNamespace(num_hidden_layers=num_layers),
@@ -601,7 +580,7 @@ def test_translated_ids_capture_the_config_states(rel, cls, model_type, hf):
     ids = sglang_aux_ids(hf, model_type, num_layers)
     assert _layers_captured(rel, cls, ids, num_layers) == hf
     if HAS_AUX_FLAG:  # capture-only ids (0.5.23) pass SGLang's range check; 0.5.17 has no such ids
-        check_range = _sglang_def(
+        check_range = compile_sglang_def(
             [n for n in _tree("model_executor/model_runner_components/spec_aux_hidden_state.py").body
              if isinstance(n, ast.FunctionDef) and n.name == "_check_capture_layer_ids_in_range"][0], {}
         )
@@ -682,7 +661,7 @@ def test_exported_keys_are_exactly_what_llama_eagle3_loads(exported):
         def weight_loader(self, param, weight, shard_id=None):
             loaded.append((param.name, shard_id))
 
-    load_weights = _sglang_def(_method("models/llama_eagle3.py", "LlamaForCausalLMEagle3", "load_weights"),
+    load_weights = compile_sglang_def(_method("models/llama_eagle3.py", "LlamaForCausalLMEagle3", "load_weights"),
                                {"torch": torch, "default_weight_loader": None})
     host = SimpleNamespace(hot_token_id=None, named_parameters=lambda: [(n, Param(n)) for n in _EAGLE3_PARAMS])
     tensors = load_file(str(out / "model.safetensors"))

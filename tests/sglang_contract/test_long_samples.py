@@ -30,7 +30,7 @@ import sglang.srt.server_args as server_args
 
 from eagle3_ray.engines.sglang_args import CAPTURE_FORCED, engine_kwargs, server_args_fields
 
-from conftest import source_root  # noqa: E402
+from conftest import compile_sglang_def, source_root  # noqa: E402
 
 SRT = source_root() / "srt"
 
@@ -50,18 +50,6 @@ def _function(rel: str, name: str, cls: str | None = None) -> ast.FunctionDef:
     return found[0]
 
 
-def _compiled(node: ast.FunctionDef, namespace: dict):
-    """One function of SGLang's source, annotations dropped (their types live in modules we cannot import)."""
-    node = ast.parse(ast.unparse(node)).body[0]
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.arguments):
-            for a in sub.posonlyargs + sub.args + sub.kwonlyargs:
-                a.annotation = None
-        if isinstance(sub, ast.FunctionDef):
-            sub.returns = None
-    ast.fix_missing_locations(node)
-    exec(compile(ast.Module([node], []), f"<sglang {node.name}>", "exec"), namespace)
-    return namespace[node.name]
 
 
 def _defaults() -> dict:
@@ -94,7 +82,7 @@ def test_the_tokenizer_manager_refuses_an_input_of_the_context_length():
 def test_the_scheduler_refuses_from_the_context_length_less_6_and_cuts_only_when_told():
     worker = ast.unparse(_function("managers/tp_worker.py", "get_worker_info", "TpModelWorker"))
     assert "max_req_len = min(self.model_config.context_len - 1," in worker and "max_req_len - 5" in worker
-    validate = _compiled(_function("managers/utils.py", "validate_input_length"),
+    validate = compile_sglang_def(_function("managers/utils.py", "validate_input_length"),
                          {"logger": logging.getLogger("sglang-contract")})
     limit = 8192 - 1 - 5  # SmolLM2's window, a KV pool larger than it
     assert validate(SimpleNamespace(origin_input_ids=list(range(limit - 1))), limit, False) is None

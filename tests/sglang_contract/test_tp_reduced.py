@@ -38,7 +38,7 @@ from eagle3_ray.engines import sglang_tp as tp
 from eagle3_ray.engines.base import EngineInfo
 from eagle3_ray.errors import ConfigError
 
-from conftest import source_root
+from conftest import compile_sglang_def, source_root
 
 SRT = source_root() / "srt"
 REPO = Path(__file__).resolve().parents[2]
@@ -88,19 +88,8 @@ def _calls(fn: ast.AST, name: str) -> list[ast.Call]:
 
 
 def _compile(node: ast.AST, namespace: dict[str, Any]):
-    """One of SGLang's definitions, compiled from its source into ``namespace`` (annotations dropped:
-    their types live in modules that need CUDA to import)."""
-    node = ast.parse(ast.unparse(node)).body[0]
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.arguments):
-            for a in sub.posonlyargs + sub.args + sub.kwonlyargs:
-                a.annotation = None
-        if isinstance(sub, ast.FunctionDef):
-            sub.returns = None
-            sub.decorator_list = [d for d in sub.decorator_list if ast.unparse(d) == "staticmethod"]
-    ast.fix_missing_locations(node)
-    exec(compile(ast.Module([node], []), f"<sglang {node.name}>", "exec"), namespace)
-    return namespace[node.name]
+    """One of SGLang's definitions compiled into ``namespace``, decorators other than staticmethod dropped."""
+    return compile_sglang_def(node, namespace, keep_decorators={"staticmethod"})
 
 
 # --- the Kimi-K2.5 preset -------------------------------------------------------------------------
