@@ -8,6 +8,8 @@
 #   3. flash attention's varlen kernel under context parallelism (tests/test_context_parallel.py, CUDA test).
 #
 #   OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh     # ~5 min on an H100
+# PARTS (default all) picks some, so that each can ride along a payload call of session.sh:
+#   PARTS="8b kimi" ...; PARTS="8b_options kimi_options" ...; PARTS="cp flash" ...
 # Writes $OUT/wall_<shape>[_options].json, $OUT/cp_memory.json, $OUT/long_train.log.
 set -uo pipefail
 : "${OUT:?set OUT}" "${PEAK:=785}"
@@ -15,8 +17,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log="$OUT/long_train.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$log"
+PARTS=" ${PARTS:-8b kimi 8b_options kimi_options cp flash} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 sweep() {  # <preset> <tag> <max length> [options...]
   local preset=$1 tag=$2 max=$3; shift 3
+  want "$tag" || return 0
   timeout "${SWEEP_S:-110}" python3 benchmarks/train_step.py --preset "$preset" --peak-tflops "$PEAK" --sweep --steps 2 --warmup 1 \
     --max-length "$max" --json "$OUT/wall_$tag.json" "$@" 2>&1 | grep -v "^\s*$" | tail -n 12 | tee -a "$log"
 }
@@ -25,7 +30,7 @@ sweep llama3-8b 8b 65536
 sweep kimi-k2.5 kimi 65536
 sweep llama3-8b 8b_options 131072 --loss-chunk-tokens 4096 --recompute-ttt-steps
 sweep kimi-k2.5 kimi_options 131072 --loss-chunk-tokens 4096 --recompute-ttt-steps
-timeout 100 python3 - <<'EOF' 2>&1 | tee -a "$log"
+want cp && timeout 100 python3 - <<'EOF' 2>&1 | tee -a "$log"
 import json, os, torch
 from eagle3_ray.train.context_parallel import rank_step_memory
 out = {"device": torch.cuda.get_device_name(0)}
@@ -35,4 +40,4 @@ for size in (2, 4):
     torch.cuda.empty_cache()
 json.dump(out, open(os.path.join(os.environ["OUT"], "cp_memory.json"), "w"), indent=1)
 EOF
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flash_varlen 2>&1 | tail -n 3 | tee -a "$log"
+want flash && timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flash_varlen 2>&1 | tail -n 3 | tee -a "$log"
