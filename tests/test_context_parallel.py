@@ -129,7 +129,8 @@ def test_flash_varlen_shards_with_earlier_keys_give_the_whole_packs_rows():
     dev, dtype, size = torch.device("cuda"), torch.bfloat16, 4
     lengths, h, kv, d = (150, 700, 130), 8, 2, 64
     n = sum(lengths) + 44  # 1024 = 4 x 256 tokens, the last 44 padding
-    seq = torch.cat([torch.full((m,), j) for j, m in enumerate(lengths)] + [torch.full((44,), -1)])[None]
+    # on the GPU, as the training loop's batches are (Segments.of puts cu_seqlens on the ids' device)
+    seq = torch.cat([torch.full((m,), j) for j, m in enumerate(lengths)] + [torch.full((44,), -1)])[None].to(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, h, n, d, generator=g, device=dev, dtype=dtype)
     k0, v0, k1, v1 = (torch.randn(1, kv, n, d, generator=g, device=dev, dtype=dtype) for _ in range(4))
