@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long-sample wall on one GPU (issue 49, items 1-3), torch only (no payload to carry):
+# The long-sample wall on one GPU (issue 49, items 1-3), torch and pydantic (session.sh wm or base):
 #   1. one TTT step (7 steps, the Triton loss) against sample length, 2K doubling until out of memory, at the
 #      Llama-3.1-8B and Kimi-K2.5 drafter shapes, without and with the memory options
 #      (train.loss_chunk_tokens=4096, train.recompute_ttt_steps): benchmarks/train_step.py --sweep;
@@ -7,7 +7,7 @@
 #      Kimi shape (train/context_parallel.py rank_step_memory), and 4 workers;
 #   3. flash attention's varlen kernel under context parallelism (tests/test_context_parallel.py, CUDA test).
 #
-#   OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh     # ~5 min on an H100
+#   source benchmarks/device/session.sh wm && OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh   # ~5 min, H100
 # PARTS (default all) picks some, so that each can ride along a payload call of session.sh:
 #   PARTS="8b kimi" ...; PARTS="8b_options kimi_options" ...; PARTS="cp flash" ...
 # Writes $OUT/wall_<shape>[_options].json, $OUT/cp_memory.json, $OUT/long_train.log.

@@ -11,6 +11,9 @@
 #         2000 --out .gq/train_prompts_g2k.jsonl); cp ../shared/data/{mt_bench,gsm8k_test,humaneval,spec_bench}.jsonl .gq/
 # Each call: `source benchmarks/device/session.sh <step>`, then its work:
 #   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
+#         Or in two halves that ride along other payload calls (.whl is 50 MB, 44 of them Ray's wheel):
+#   wm    (carry .wm: .whl less Ray, 5.5 MB) pydantic -> /tmp/pmin (enough for benchmarks/train_step.py and
+#         long_train.sh), the wheels kept in /tmp/wm; then base with .wr (Ray's wheel alone) carried
 #   gg1   (carry .gg/part-aa)     first half of the GGUF -> /tmp
 #   gg2   (carry .gg/part-ab .gq) /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 #   gen   (carry .gen)            a product run's generate.tgz.part-* -> /tmp/gen (product_run.sh restores them)
@@ -19,7 +22,9 @@
 #   env   (nothing carried)       PYTHONPATH for whatever was installed
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
 case "${1:-env}" in
-  base) ls .whl/deepspeed-*.whl >/dev/null 2>&1 || { echo "[session] .whl has no DeepSpeed wheel: rebuild it (see the top of this file)" >&2; return 2 2>/dev/null || exit 2; }
+  wm) mkdir -p /tmp/wm && cp .wm/*.whl /tmp/wm/ && pip_target /tmp/pmin .wm/pydantic*.whl .wm/annotated*.whl .wm/typing_insp*.whl ;;
+  base) [ -d .wr ] && [ -d /tmp/wm ] && mkdir -p .whl && cp /tmp/wm/*.whl .wr/*.whl .whl/  # the two halves
+        ls .whl/deepspeed-*.whl >/dev/null 2>&1 || { echo "[session] .whl has no DeepSpeed wheel: rebuild it (see the top of this file)" >&2; return 2 2>/dev/null || exit 2; }
         [ -f /tmp/base/.ready ] || { pip_target /tmp/base .whl/*.whl && touch /tmp/base/.ready
           # Bytecode as a pip install compiles it (--no-compile above keeps the install short); in the
           # background, so that the first process importing Ray does not compile it inside a timed run.
@@ -47,8 +52,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] && export EAGLE3_RAY_SMOLLM2_GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f /tmp/sgl/.ready ]; then
   export PYTHONPATH=/tmp/sgl:/tmp/base:$PWD SGLANG_IS_FLASHINFER_AVAILABLE=false
-else
+elif [ -f /tmp/base/.ready ] || [ ! -d /tmp/pmin ]; then
   export PYTHONPATH=/tmp/base:$PWD
+else
+  export PYTHONPATH=/tmp/pmin:$PWD
 fi
 [ -d .gq ] || { [ -d /tmp/gq ] && cp -r /tmp/gq .gq; }
 echo "[session] step ${1:-env} ok; PYTHONPATH=$PYTHONPATH; GGUF $(ls /tmp/*.gguf 2>/dev/null)"
