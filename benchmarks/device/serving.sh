@@ -16,6 +16,8 @@
 #   compare  bench.engine=both on 16 MT-bench questions (2 per category), chain(3), concurrency 1: SGLang's
 #            tau against the project's own HF decoder on the same prompts.
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
+#            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
+#            (on 2026-12-07 the full step printed nothing in 200 s).
 #   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang.
 set -uo pipefail
 : "${STEP:?STEP=train|bench|compare|cycle|generate}" "${BUDGET:=540}" "${RUN:=/tmp/serving}" "${OUT:=/tmp/serving-out}"
@@ -48,10 +50,10 @@ case "$STEP" in
     # the engine takes token ids; single-turn prompts, since no history is decoded from its tokens)
     mkdir -p /tmp/l8b && cp eagle3_ray/resources/llama3.1-8b-shape.json /tmp/l8b/config.json
     timeout -k 30 -s INT "$BUDGET" python3 benchmarks/device/sglang_cycle.py --target random:/tmp/l8b \
-      --prompts .gq/gsm8k_test.jsonl --max-prompts 16 --out "$RUN/cycle_8b" 2>&1 | grep "^\[cycle\]\|Error\|error"
+      --prompts .gq/gsm8k_test.jsonl --max-prompts 8 ${CYCLE_8B_ARGS:-} --out "$RUN/cycle_8b" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
     cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json"
     timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
-      --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "^\[cycle\]\|Error\|error"
+      --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
     cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json" ;;
   generate)
     for engine in hf sglang; do

@@ -57,6 +57,8 @@ def main() -> int:
     p.add_argument("--max-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--modes", nargs="+", default=["chain", "tree"], choices=["chain", "tree"],
+                   help="EAGLE-3 modes beside plain decoding (each its own engine start: about a minute at 8B)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--total-tokens", type=int, default=48)
@@ -72,7 +74,7 @@ def main() -> int:
     cfg = PipelineConfig.model_validate({
         "target": {"model": a.target, "backend": "sglang",
                    "sglang": {"extra_engine_kwargs": {**TRITON, "forward_hooks": hooks}}},
-        "bench": {"engine": "sglang", "concurrency": [1], "modes": ["chain", "tree"], "max_new_tokens": a.max_new_tokens,
+        "bench": {"engine": "sglang", "concurrency": [1], "modes": a.modes, "max_new_tokens": a.max_new_tokens,
                   "num_steps": 3, "topk": a.topk, "depth": a.depth, "total_tokens": a.total_tokens,
                   "prompts": {"path": a.prompts, "max_prompts": a.max_prompts}, "num_gpus": 1},
     })
@@ -83,6 +85,8 @@ def main() -> int:
     plain_ms = 1000 / s["modes"]["plain"]["1"]["tokens_per_s"]
     cycles = {}
     for mode, topk in (("chain", 1), ("tree", a.topk)):
+        if mode not in a.modes:
+            continue
         parts = read_cycles(probe, topk=topk)
         row = s["modes"][mode]["1"]
         cycle_ms = row["ms_per_cycle"]
