@@ -25,8 +25,8 @@ causal prefix plus the TTT diagonal, and 1x the no-grad target-logit matmuls. At
 and PV, 2 x 2 x heads x head_dim FLOPs per (query, key) pair, for T/2 keys per query (the causal
 prefix of one T-token sample; a pack of several samples has fewer) plus step k's k diagonal keys, 3x
 for forward + backward. What the memory options recompute (--loss-chunk-tokens: one more lm_head
-forward; --recompute-ttt-steps: one more drafter forward per step) is not counted: model FLOPs, so
-the MFU shows what recomputation costs.
+forward; --recompute-ttt-steps: one more drafter forward per recomputed step, every step or the first K
+of --recompute-ttt-steps K) is not counted: model FLOPs, so the MFU shows what recomputation costs.
 
 --sweep / --lengths time one sample of each length per step (the pack a longer sample makes alone,
 train/packing.py): per length tokens/s, MFU, peak memory (torch.cuda.max_memory_allocated, and the
@@ -168,10 +168,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--loss-chunk-tokens", type=int, default=0,
                     help="train.loss_chunk_tokens: logits and soft cross-entropy in checkpointed chunks of at most "
                          "this many tokens (0 = off)")
-    ap.add_argument("--recompute-ttt-steps", action="store_true",
-                    help="train.recompute_ttt_steps: recompute each TTT step's activations in the backward")
+    ap.add_argument("--recompute-ttt-steps", nargs="?", const=True, default=False, type=int, metavar="K",
+                    help="train.recompute_ttt_steps: recompute TTT steps' activations in the backward, every "
+                         "step (no K) or the first K")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
+    if a.recompute_ttt_steps is not True and not 0 <= a.recompute_ttt_steps <= a.ttt_steps:
+        ap.error(f"--recompute-ttt-steps {a.recompute_ttt_steps}: give no K (every step) or K from 0 to "
+                 f"--ttt-steps ({a.ttt_steps})")
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k) is None:
             setattr(a, k, v)

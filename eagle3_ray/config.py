@@ -190,10 +190,12 @@ class TrainConfig(_Section):
         "[tokens, draft vocab] logits for the backward (14.7 GB at 32K tokens, 7 steps, draft vocab 32000); costs "
         "one more lm_head forward. The same loss and gradients. 0 = off (docs/drafter.md, \"Long samples\")."
     )
-    recompute_ttt_steps: bool = Field(
-        False, description="Long samples: recompute each TTT step's drafter activations in the backward "
-        "(activation checkpointing) instead of keeping them; only each step's hidden state and keys/values are "
-        "kept. Costs one more drafter forward per step. The same loss and gradients."
+    recompute_ttt_steps: bool | int = Field(
+        False, description="Long samples: recompute TTT steps' drafter activations in the backward (activation "
+        "checkpointing) instead of keeping them; of a recomputed step only its hidden state and keys/values are "
+        "kept. true = every step, false or 0 = none, k (1..ttt_steps) = the first k steps (0..k-1): recompute "
+        "only as many as the sample needs to fit. Each recomputed step costs one more drafter forward of that "
+        "step. The same loss and gradients."
     )
     compile: bool = Field(False, description="torch.compile the drafter layer (GPU training; ~1 min warm-up).")
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
@@ -282,6 +284,14 @@ class TrainConfig(_Section):
             from eagle3_ray.train.context_parallel import check_config
 
             check_config(self.context_parallel, self.num_workers, self.mode, self.attention, self.compile)
+        return self
+
+    @model_validator(mode="after")
+    def _recomputed_steps(self) -> "TrainConfig":
+        k = self.recompute_ttt_steps
+        if not isinstance(k, bool) and not 0 <= k <= self.ttt_steps:
+            raise ValueError(f"train.recompute_ttt_steps={k}: give true (every TTT step), false (none), or k from 0 "
+                             f"to train.ttt_steps={self.ttt_steps} (the first k steps recomputed)")
         return self
 
     @model_validator(mode="after")

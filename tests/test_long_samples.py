@@ -1,5 +1,6 @@
 """The long-sample memory options of the TTT step (drafter/ttt.py; train.loss_chunk_tokens,
-train.recompute_ttt_steps): the same loss and gradients as the plain step, less kept for the backward.
+train.recompute_ttt_steps, every TTT step or the first k): the same loss and gradients as the plain step,
+less kept for the backward.
 
 Exactness (CPU, fp32, a tiny drafter, packed batches of several samples and padding, as one row and
 laid out as rows): the loss and per-step stats equal the plain step's to 1e-6 relative, every
@@ -25,6 +26,8 @@ OPTIONS = {
     "chunk_of_5": dict(loss_chunk_tokens=5),  # chunks narrower than the last steps' shift
     "recomputed": dict(recompute_steps=True),
     "both": dict(loss_chunk_tokens=7, recompute_steps=True),
+    "first_2_recomputed": dict(recompute_steps=2),  # of 4 steps: recomputed steps, then plain ones
+    "both_first_3": dict(loss_chunk_tokens=7, recompute_steps=3),
 }
 
 
@@ -202,6 +205,44 @@ def test_recomputed_steps_keep_less_for_the_backward():
     assert kept[True] - target < 0.1 * (kept[False] - target), kept
 
 
+def test_recomputing_the_first_k_steps_keeps_less_the_more_steps():
+    """recompute_steps=k (of 3 steps) keeps strictly less than no recompute and strictly more than all:
+    k times a third of what recomputing all steps saves; k = ttt_steps is True."""
+    t, wide_mlp = 64, 512
+    # keyed by repr: True == 1 and False == 0 as dict keys
+    kept = {repr(r): _kept_after_forward(t, wide_mlp, loss_chunk_tokens=16, recompute_steps=r)
+            for r in (False, 1, 2, 3, True)}
+    assert kept["False"] > kept["1"] > kept["2"] > kept["True"], kept
+    assert kept["3"] == kept["True"], kept
+    step = (kept["False"] - kept["True"]) / 3  # what one plain step keeps beyond a recomputed one
+    for k in (1, 2):
+        assert kept["False"] - kept[str(k)] == pytest.approx(k * step, rel=0.1), kept
+
+
+@pytest.mark.parametrize("recompute,steps", [(True, [0, 1, 2, 3]), (False, []), (0, []), (1, [0]), (3, [0, 1, 2])])
+def test_recompute_steps_k_recomputes_the_first_k_steps(recompute, steps, monkeypatch):
+    """Which TTT steps run under activation checkpointing: all (True), none (False, 0) or 0..k-1; none
+    without gradients."""
+    from eagle3_ray.drafter import ttt
+
+    seen = []
+
+    def recomputed_step(drafter, ids, hidden, pos, mask, cache):
+        seen.append(int(pos[0, 0]))  # pos + i: the sample starts at position 0
+        return real(drafter, ids, hidden, pos, mask, cache)
+
+    real = ttt.recomputed_step
+    monkeypatch.setattr(ttt, "recomputed_step", recomputed_step)
+    batch = _pack([_sample(12, 3), _sample(9, 4)])
+    _run(batch, "sdpa", steps=4, recompute_steps=recompute)
+    assert seen == steps
+    seen.clear()
+    d = _drafter()
+    with torch.no_grad():
+        ttt_forward(d, batch, _lm_head(d), ttt_steps=4, recompute_steps=recompute)
+    assert seen == []
+
+
 def test_the_options_reach_the_step_from_the_config():
     from eagle3_ray.config import TrainConfig
     from eagle3_ray.train.step import StepConfig
@@ -212,3 +253,58 @@ def test_the_options_reach_the_step_from_the_config():
     assert on.loss_chunk_tokens == 4096 and on.recompute_steps is True
     with pytest.raises(ValueError):
         TrainConfig(loss_chunk_tokens=-1)
+    assert StepConfig.from_train(TrainConfig(recompute_ttt_steps=3), "varlen").recompute_steps == 3
+
+
+def test_recompute_ttt_steps_takes_true_false_or_the_first_k():
+    """true stays True (not 1) and k stays k, from YAML overrides too; k past ttt_steps, or negative, is
+    refused with a message naming the setting."""
+    from eagle3_ray.config import TrainConfig, load_config
+    from eagle3_ray.errors import ConfigError
+
+    for raw, want in (("true", True), ("false", False), ("1", 1), ("3", 3), ("0", 0), ("7", 7)):
+        got = load_config(None, [f"train.recompute_ttt_steps={raw}"]).train.recompute_ttt_steps
+        assert got == want and type(got) is type(want), (raw, got)
+    assert TrainConfig(recompute_ttt_steps=True).recompute_ttt_steps is True
+    assert TrainConfig(recompute_ttt_steps=False).recompute_ttt_steps is False
+    assert TrainConfig(ttt_steps=4, recompute_ttt_steps=4).recompute_ttt_steps == 4
+    for bad in (["train.recompute_ttt_steps=8"], ["train.recompute_ttt_steps=-1"],
+                ["train.ttt_steps=3", "train.recompute_ttt_steps=4"]):
+        with pytest.raises(ConfigError, match="recompute_ttt_steps"):
+            load_config(None, bad)
+    with pytest.raises(ValueError, match=r"train.recompute_ttt_steps=5: .* train.ttt_steps=4"):
+        TrainConfig(ttt_steps=4, recompute_ttt_steps=5)
+    with pytest.raises(ValueError, match="recompute_ttt_steps=-1"):
+        TrainConfig(recompute_ttt_steps=-1)
+
+
+def test_recomputing_k_steps_keeps_the_stage_hashes():
+    """What the backward recomputes never changes a stage's output: k redoes no stage (pipeline.UNHASHED)."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.pipeline import STAGE_DEPS, _stage_hash
+
+    plain = load_config("configs/ci-tiny.yaml")
+    k = load_config("configs/ci-tiny.yaml", ["train.recompute_ttt_steps=2"])
+    assert k.train.recompute_ttt_steps == 2
+    for stage in STAGE_DEPS:
+        assert _stage_hash(k, stage, "d") == _stage_hash(plain, stage, "d"), stage
+
+
+def test_the_benchmarks_recompute_flag_takes_every_step_or_the_first_k():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("train_step_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def options(*argv):
+        return bench._memory_options(bench.parse_args([*argv, "--device", "cpu"]))["recompute_steps"]
+
+    assert options() is False
+    assert options("--recompute-ttt-steps") is True
+    assert options("--recompute-ttt-steps", "--json", "x.json") is True
+    assert options("--recompute-ttt-steps", "3") == 3
+    with pytest.raises(SystemExit):
+        options("--recompute-ttt-steps", "8")  # more than --ttt-steps 7

@@ -27,9 +27,11 @@ Long samples (two memory options, off by default; the same loss and gradients, t
   most that many tokens, each under activation checkpointing (`ttt_memory.chunked_soft_ce`): no [T, draft
   vocab] logits (or fp32 log-probabilities) are kept between forward and backward, and the backward
   recomputes one chunk's logits at a time (one more lm_head forward per token and step).
-- ``recompute_steps``: each TTT step's drafter pass runs under activation checkpointing
-  (`ttt_memory.recomputed_step`): only its input hidden state, its output and its keys/values (which later
-  steps attend to) are kept; the rest is recomputed in the backward (one more drafter forward).
+- ``recompute_steps``: True (every step) or k (the first k steps): each such TTT step's drafter pass runs
+  under activation checkpointing (`ttt_memory.recomputed_step`): only its input hidden state, its output and
+  its keys/values (which later steps attend to) are kept; the rest is recomputed in the backward (one more
+  drafter forward of that step). With k, the later steps keep all their activations: more memory kept
+  for the backward, k extra step forwards instead of ``ttt_steps``.
 """
 
 from __future__ import annotations
@@ -363,7 +365,7 @@ def ttt_forward(
     loss_kernel: Literal["auto", "torch", "triton"] = "auto",
     walk_steps: int = 0,
     loss_chunk_tokens: int = 0,
-    recompute_steps: bool = False,
+    recompute_steps: bool | int = False,
     cp=None,
 ) -> TTTOutput:
     """TTT loss and metrics of one (packed) batch; see the module docstring for the semantics.
@@ -383,8 +385,9 @@ def ttt_forward(
     ``loss_kernel``: how each step's soft cross-entropy runs (`drafter.soft_ce`; the same function).
     ``walk_steps`` (evaluation): also replay chain decoding of that many drafts per cycle over the
     batch's assistant turns (`chain_walk`; at most ``ttt_steps``), into ``TTTOutput.walk``.
-    ``loss_chunk_tokens`` (0 = off) and ``recompute_steps``: the memory options of long samples (module
-    docstring); they change what is kept for the backward, not the result.
+    ``loss_chunk_tokens`` (0 = off) and ``recompute_steps`` (True = every step, False or 0 = none, k = steps
+    0..k-1): the memory options of long samples (module docstring); they change what is kept for the
+    backward, not the result.
     ``cp`` (context parallelism, `train.context_parallel.ContextParallel` of more than one rank): the batch is
     this rank's shard of a pack (`context_parallel.shard_batch`: ``batch["cp_shard"]`` says where it sits; its
     tensors carry ``ttt_steps`` tokens past its own), step 0's keys are gathered over the group, each step's
@@ -438,6 +441,7 @@ def ttt_forward(
         servables.append(own(_shift(in_draft, i + 1, False)) & same)  # a draft can match it: a draft-vocab target
     if shard is not None:  # the loss is a mean over the group's valid positions: their count, summed
         group_counts = cp.all_reduce(torch.stack([(m & s).float().sum() for m, s in zip(scored_masks, servables)]))
+    recomputed = ttt_steps if recompute_steps is True else int(recompute_steps)  # steps 0..recomputed-1
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []  # per step: (ce_i, acc_i, count_i, served_acc_i), detached; under cp the rank's sums first
     hits_by_step = []  # per step < walk_steps: [B, T] the served draft equals the target's argmax
@@ -454,7 +458,7 @@ def ttt_forward(
         else:  # sdpa: built where it is used (under recompute_steps, again in the backward: never kept)
             mask = functools.partial(ttt_attention_mask, seq, i)
         step_ids = own(_shift(ids, ahead))
-        if recompute_steps and torch.is_grad_enabled():
+        if i < recomputed and torch.is_grad_enabled():
             hidden = recomputed_step(drafter, step_ids, hidden, pos + i, mask, cache)
         else:
             hidden = drafter(step_ids, hidden, pos + i, attention_mask=built_mask(mask), cache=cache)

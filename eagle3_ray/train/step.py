@@ -56,7 +56,8 @@ class StepConfig:
     autocast: bool = False  # bf16 autocast on CUDA, for fp32 weights (DeepSpeed's bf16 module needs none)
     loss_kernel: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA where it imports; drafter/soft_ce.py)
     loss_chunk_tokens: int = 0  # logits and soft cross-entropy in checkpointed chunks of this many tokens; 0 = whole
-    recompute_steps: bool = False  # each TTT step's activations recomputed in the backward (activation checkpointing)
+    # TTT steps whose activations the backward recomputes (activation checkpointing): True = all, k = the first k
+    recompute_steps: bool | int = False
 
     @classmethod
     def from_train(cls, t, attention: str, row_tokens: int | None = None, autocast: bool = False,
