@@ -152,6 +152,9 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.loss_chunk_tokens=4096",
                                                              "train.recompute_ttt_steps=true"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
+    first_two = load_config("configs/ci-tiny.yaml", ["train.recompute_ttt_steps=2"])  # k steps: no stage redone either
+    for stage in STAGE_DEPS:
+        assert _stage_hash(first_two, stage, "d") == _stage_hash(cfg, stage, "d"), stage
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
     # the bench's engine options redo the bench where they change what it measures, and only there

@@ -35,7 +35,11 @@ SCALE_KEYS = tuple(scale_name(k) for k in HIDDEN_KEYS)  # present in fp8 rows on
 
 def packed_row(records: list[dict]) -> dict[str, np.ndarray]:
     """Records -> one packed row (``collate``; bf16 as uint16, other tensors as they are)."""
-    packed = collate(records)
+    return row_arrays(collate(records))
+
+
+def row_arrays(packed: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A collated [1, T] batch -> the row's arrays (bf16 as uint16, other tensors as they are)."""
     return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in packed.items()}
 
 
@@ -98,9 +102,7 @@ class LoadPackUDF:
                 packed.update({k: torch.cat([r[k] for r in records])[None] for k in SCALE_KEYS})
         else:  # a shard of padding only (a pack shorter than its group)
             packed = self._empty()
-        part = cut_shard(packed, span)
-        return {k: bf16_to_uint16(t[0]) if t.dtype == torch.bfloat16 else t[0].numpy() for k, t in part.items()}, \
-            span.shard
+        return row_arrays(cut_shard(packed, span)), span.shard
 
     def _empty(self) -> dict[str, torch.Tensor]:
         """A zero-token pack with this store's columns (dtypes and widths from its first sample)."""
