@@ -9,7 +9,8 @@
 #
 #   source benchmarks/device/session.sh wm && OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh   # ~5 min, H100
 # PARTS (default all) picks some, so that each can ride along a payload call of session.sh:
-#   PARTS="8b kimi" ...; PARTS="8b_options kimi_options" ...; PARTS="cp flash" ...; PARTS="8b_chunk kimi_k3" (partial)
+#   PARTS="8b kimi" ...; PARTS="8b_options kimi_options" ...; PARTS="cp flash" ...; PARTS="8b_chunk kimi_k3" (partial),
+#   PARTS="8b_2k kimi_2k" (the bare 2K reference on this card)
 # Writes $OUT/wall_<shape>[_options].json, $OUT/cp_memory.json, $OUT/long_train.log.
 set -uo pipefail
 : "${OUT:?set OUT}" "${PEAK:=785}"
@@ -33,6 +34,9 @@ sweep kimi-k2.5 kimi_options 131072 --loss-chunk-tokens 4096 --recompute-ttt-ste
 # partial options (not in the default PARTS): the loss chunks alone at 8B, the first 3 of 7 steps recomputed at Kimi
 sweep llama3-8b 8b_chunk 65536 --loss-chunk-tokens 4096
 sweep kimi-k2.5 kimi_k3 65536 --loss-chunk-tokens 4096 --recompute-ttt-steps 3
+# the bare 2K step alone: the MFU reference when the partial options run on another card than the full sweep
+sweep llama3-8b 8b_2k 2048
+sweep kimi-k2.5 kimi_2k 2048
 want cp && timeout 100 python3 - <<'EOF' 2>&1 | tee -a "$log"
 import json, os, torch
 from eagle3_ray.train.context_parallel import rank_step_memory
