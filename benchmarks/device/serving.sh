@@ -14,7 +14,7 @@
 #            plain / chain(3) / the preset's tree at concurrency 1, 8 and 32. BENCH_EXTRA adds overrides
 #            (one word each), e.g. bench.cuda_graphs=false to see whether a silent EAGLE-3 engine is the graphs'.
 #   compare  bench.engine=both on 16 MT-bench questions (2 per category), chain(3), concurrency 1: SGLang's
-#            tau against the project's own HF decoder on the same prompts.
+#            tau against the project's own HF decoder on the same prompts (COMPARE_PROMPTS=8: 1 per category).
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
 #            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
 #            (on 2026-12-07 the full step printed nothing in 200 s).
@@ -43,7 +43,7 @@ case "$STEP" in
   compare)
     cli bench -c configs/smollm2-h200.yaml --drafter "$RUN/train/out/drafter" --out "$RUN/compare" \
       target.model=$GGUF bench.engine=both bench.modes=[chain] bench.concurrency=[1] bench.untrained=false \
-      bench.max_new_tokens=1024 'bench.prompts=[{"path":".gq/mt_bench.jsonl","max_prompts":16}]' "$SG" 2>&1 | tee "$RUN/compare.log"
+      bench.max_new_tokens=1024 'bench.prompts=[{"path":".gq/mt_bench.jsonl","max_prompts":'"${COMPARE_PROMPTS:-16}"'}]' "$SG" 2>&1 | tee "$RUN/compare.log"
     cp "$RUN/compare/results.json" "$OUT/sglang_compare.json"; cp "$RUN/compare/report.md" "$OUT/sglang_compare_report.md" ;;
   cycle)
     # SGLang builds a random:<dir> target with dummy weights from the dir's config.json (no tokenizer:
