@@ -32,9 +32,11 @@ from typing import Any, Callable, Sequence
 
 from eagle3_ray.config import BenchConfig, PipelineConfig
 from eagle3_ray.engines.sglang_args import (
+    GRAPH_MAX_BS,
     check_server_args,
     engine_kwargs,
     generate_sampling,
+    graph_max_bs,
     import_sglang,
     server_args_fields,
 )
@@ -45,7 +47,6 @@ SPEC_MODES = ("chain", "tree")
 WARMUP_TOKENS = 32
 STALL_S = 300.0  # no request answered for this long, the engine's processes alive: it hangs
 PROGRESS_EVERY = 10  # conversations between progress lines of the turn planning
-GRAPH_MAX_BS = "cuda_graph_max_bs_decode"  # a ServerArgs field in 0.5.17 and 0.5.23
 EngineFactory = Callable[..., Any]  # sglang.Engine(**kwargs), or a test's fake
 
 
@@ -209,9 +210,7 @@ def graph_kwargs(bench: BenchConfig, kw: dict[str, Any], fields: frozenset[str])
     SGLang's default sizes), or off; the user's extra_engine_kwargs decide where they say."""
     if not bench.cuda_graphs:
         return {"disable_cuda_graph": True}
-    if GRAPH_MAX_BS in kw or "cuda_graph_config" in kw or GRAPH_MAX_BS not in fields:
-        return {}
-    return {GRAPH_MAX_BS: max(bench.concurrency)}
+    return graph_max_bs(kw, max(bench.concurrency), fields)
 
 
 def run_mode(

@@ -7,9 +7,11 @@ from eagle3_ray.engines.base import TargetEngine
 from eagle3_ray.errors import engine_start
 
 
-def build_engine(cfg: TargetConfig, batch_tokens: int = 8192, mode: str = "capture") -> TargetEngine:
+def build_engine(cfg: TargetConfig, batch_tokens: int = 8192, mode: str = "capture",
+                 max_batch: int | None = None) -> TargetEngine:
     """The engine of ``cfg.backend``. A failure to build it is an ``EngineStartError`` naming the
-    cause (``errors.engine_start``): it would fail the same way again, so the stage stops."""
+    cause (``errors.engine_start``): it would fail the same way again, so the stage stops.
+    ``max_batch``: the most requests one generate call sends (SGLang sizes its CUDA graphs by it)."""
     what = f"the {'HF' if cfg.backend == 'hf' else 'SGLang'} engine of target.model={cfg.model!r}"
     with engine_start(what):
         if cfg.backend == "hf":
@@ -18,4 +20,4 @@ def build_engine(cfg: TargetConfig, batch_tokens: int = 8192, mode: str = "captu
             return HFEngine(cfg, batch_tokens=batch_tokens)
         from eagle3_ray.engines.sglang import SGLangEngine
 
-        return SGLangEngine(cfg, mode=mode)
+        return SGLangEngine(cfg, mode=mode, max_batch=max_batch)

@@ -70,9 +70,11 @@ class SGLangEngine:
     calls_in_flight = 4
 
     def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0,
-                 max_restarts: int = MAX_RESTARTS, engine_factory: Callable[..., Any] | None = None):
+                 max_restarts: int = MAX_RESTARTS, engine_factory: Callable[..., Any] | None = None,
+                 max_batch: int | None = None):
         """``engine_factory`` builds the engine from the kwargs (default ``sglang.Engine``; tests
-        pass a fake, since the real engine needs CUDA)."""
+        pass a fake, since the real engine needs CUDA). ``max_batch`` (mode generate): the most
+        requests one ``generate`` call sends, the decode batch CUDA graphs are captured up to."""
         from eagle3_ray.engines.describe import describe_target
 
         sglang = import_sglang()
@@ -81,7 +83,7 @@ class SGLangEngine:
         self.mode = mode
         self.restarts = 0
         self.max_restarts = max_restarts
-        self._target, self._node_rank = target_cfg, node_rank
+        self._target, self._node_rank, self._max_batch = target_cfg, node_rank, max_batch
         self._factory = engine_factory or sglang.Engine
         self._root = Path(target_cfg.sglang.capture_dir) if mode == "capture" else None
         self._dir: Path | None = None
@@ -112,7 +114,8 @@ class SGLangEngine:
         self._start()
 
     def _kwargs(self) -> dict[str, Any]:
-        return engine_kwargs(self._target, self.mode, info=self.info, capture_dir=self._dir, node_rank=self._node_rank)
+        return engine_kwargs(self._target, self.mode, info=self.info, capture_dir=self._dir, node_rank=self._node_rank,
+                             max_batch=self._max_batch)
 
     def _start(self) -> None:
         if self._root is not None:  # a fresh directory per engine: a dead engine's files stay behind

@@ -33,6 +33,10 @@ AUX_FLAG = "enable_return_aux_hidden_states"
 # DeepSeek-V2/V3 (and Kimi-K2, which ships DeepseekV3ForCausalLM) return a third item, topk_indices.
 LAYER_HOOK_MODELS = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3", "kimi_k2")
 
+# The largest decode batch SGLang captures a CUDA graph for (a ServerArgs field in 0.5.17 and 0.5.23).
+# Its default is 256 on an 80-GB or 141-GB GPU with tp_size < 4: a decode batch above it runs eagerly.
+GRAPH_MAX_BS = "cuda_graph_max_bs_decode"
+
 # One forward per request, nothing decoded: max_new_tokens=0 returns no output at all.
 CAPTURE_SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
@@ -249,6 +253,7 @@ def engine_kwargs(
     node_rank: int = 0,
     fields: frozenset[str] | None = None,
     spec_shape: Literal["chain", "tree"] | None = None,
+    max_batch: int | None = None,
 ) -> dict[str, Any]:
     """The exact kwargs given to ``sglang.Engine`` for ``mode``.
 
@@ -257,6 +262,8 @@ def engine_kwargs(
     ``bench``).
     ``info`` (aux layers, model type, depth) is read from the target config when not given;
     ``fields`` (the ServerArgs field names, which pick the capture path) from the installed SGLang.
+    ``max_batch`` (generate): the most requests the caller has in flight at once (``generate.batch_size``),
+    the decode batch CUDA graphs are captured up to (``graph_max_bs``).
     """
     if mode not in MODES:
         raise ConfigError(f"engine mode {mode!r} is unknown; use one of {MODES}")
@@ -271,7 +278,21 @@ def engine_kwargs(
         kw.update(_capture_kwargs(config, info, capture_dir, server_args_fields() if fields is None else fields))
     elif mode == "spec":
         kw.update(_spec_kwargs(drafter_dir, bench, spec_shape))
-    return {**kw, **extra}
+    kw = {**kw, **extra}
+    if mode == "generate" and max_batch is not None:
+        kw.update(graph_max_bs(kw, max_batch, server_args_fields() if fields is None else fields))
+    return kw
+
+
+def graph_max_bs(kw: dict[str, Any], max_bs: int, fields: frozenset[str]) -> dict[str, Any]:
+    """``{GRAPH_MAX_BS: max_bs}``: CUDA graphs captured up to the largest decode batch this engine gets,
+    so that every decode step replays one (SGLang's default, 256 on an H100 or H200, leaves a larger
+    batch eager; a smaller bound captures fewer graphs). Nothing where the user's kwargs
+    ``kw`` size the graphs themselves, where graphs are off, or where the installed ServerArgs lacks the field."""
+    if (GRAPH_MAX_BS in kw or "cuda_graph_config" in kw or kw.get("disable_cuda_graph")
+            or GRAPH_MAX_BS not in fields):
+        return {}
+    return {GRAPH_MAX_BS: max_bs}
 
 
 def check_server_args(kwargs: dict[str, Any]) -> None:

@@ -66,11 +66,12 @@ class SyntheticShare:
 class DistillActor:
     """Holds one target engine; `run` self-distills a list of samples into a part file."""
 
-    def __init__(self, target: TargetConfig, batch_tokens: int):
+    def __init__(self, target: TargetConfig, batch_tokens: int, batch_size: int | None = None):
+        """``batch_size``: generate.batch_size, the most requests one engine call sends."""
         from eagle3_ray.engines.describe import load_tokenizer
         from eagle3_ray.engines.factory import build_engine
 
-        self.engine = build_engine(target, batch_tokens=batch_tokens, mode="generate")
+        self.engine = build_engine(target, batch_tokens=batch_tokens, mode="generate", max_batch=batch_size)
         self.tokenizer = load_tokenizer(target)
 
     def run(self, samples: list[Sample], part_path: str, gen: GenerateConfig, max_length: int | None = None,
@@ -266,7 +267,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     actor_cls = ray.remote(
         num_gpus=cfg.extract.num_gpus_per_actor or 0, num_cpus=cfg.extract.num_cpus_per_actor, max_restarts=2
     )(DistillActor)
-    actors = [actor_cls.remote(cfg.target, cfg.extract.batch_tokens) for _ in range(n)]
+    actors = [actor_cls.remote(cfg.target, cfg.extract.batch_tokens, cfg.generate.batch_size) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
     say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected"
         + (f" + {n_synthetic} requests the target writes itself" if n_synthetic else "")

@@ -33,6 +33,7 @@ from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
 from eagle3_ray.engines.sglang import SGLangEngine  # noqa: E402
 from eagle3_ray.engines.sglang_args import (  # noqa: E402
     AUX_FLAG,
+    GRAPH_MAX_BS,
     CAPTURE_SAMPLING,
     MODES,
     check_extra_kwargs,
@@ -822,6 +823,30 @@ def test_generate_calls_from_threads_share_the_engines_loop(target_dir):
         assert engine._engine.max_in_flight > 1
     finally:
         engine.close()
+
+
+def test_a_generate_engine_captures_graphs_up_to_the_batch_it_is_sent(target_dir):
+    """The generate stage sends generate.batch_size requests per call (512 in the H200 preset), above
+    SGLang's default graph bound on an H100 or H200 (256): the engine is built with graphs up to that
+    batch, a real ServerArgs field; the user's own graph settings win, and graphs off stay off."""
+    def built_with(**changes):
+        seen = []
+
+        def factory(**kw):
+            seen.append(kw)
+            return FakeSGLangEngineOnALoop()
+
+        engine = SGLangEngine(_target(target_dir, tp_size=1, **changes), mode="generate", engine_factory=factory,
+                              max_batch=512)
+        engine.close()
+        check_server_args(seen[0])
+        return seen[0]
+
+    assert built_with()[GRAPH_MAX_BS] == 512 and not built_with().get("disable_cuda_graph")
+    assert built_with(sglang={"extra_engine_kwargs": {GRAPH_MAX_BS: 64}})[GRAPH_MAX_BS] == 64
+    assert GRAPH_MAX_BS not in built_with(sglang={"extra_engine_kwargs": {"disable_cuda_graph": True}})
+    # capture never sizes graphs (they are off there), and without max_batch SGLang's default stands
+    assert GRAPH_MAX_BS not in engine_kwargs(_target(target_dir, tp_size=1), "generate")
 
 
 def test_an_engine_without_a_loop_is_refused(target_dir):
