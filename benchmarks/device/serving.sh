@@ -18,7 +18,9 @@
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
 #            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
 #            (on 2026-12-07 the full step printed nothing in 200 s).
-#   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang.
+#   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang (the
+#            stage's engine, and SGLang's default graph bound as before; GEN_ENGINES picks some of hf sglang sglang-256).
+#            GEN_PROMPTS (default 3000) sets how many.
 set -uo pipefail
 : "${STEP:?STEP=train|bench|compare|cycle|generate}" "${BUDGET:=540}" "${RUN:=/tmp/serving}" "${OUT:=/tmp/serving-out}"
 mkdir -p "$RUN" "$OUT"
@@ -56,14 +58,18 @@ case "$STEP" in
       --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
     cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json" ;;
   generate)
-    for engine in hf sglang; do
-      extra=(); [ $engine = sglang ] && extra=(target.backend=sglang "$SG")
-      /usr/bin/time -f "[generate] $engine wall %e s" timeout -k 30 -s INT $(( (BUDGET - ($(date +%s) - t0)) / 2 )) \
+    # sglang: the generate stage's engine (graphs up to generate.batch_size, that many requests running);
+    # sglang-256: as before 2026-12-07, SGLang's own graph bound (256 on an H100/H200) and no cap on the
+    # running requests (4 calls of 512 queued)
+    SG256='target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none, cuda_graph_max_bs_decode: 256}'
+    for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do
+      extra=(); [ $engine = sglang ] && extra=(target.backend=sglang "$SG"); [ $engine = sglang-256 ] && extra=(target.backend=sglang "$SG256")
+      /usr/bin/time -f "[generate] $engine wall %e s" timeout -k 30 -s INT $(( (BUDGET - ($(date +%s) - t0)) / 3 )) \
         python3 -m eagle3_ray.cli generate -c configs/smollm2-h200.yaml --data .gq/train_prompts_mt.jsonl \
-        --out "$RUN/gen-$engine" target.model=$GGUF data.max_samples=3000 generate.samples_per_prompt=1 \
+        --out "$RUN/gen-$engine" target.model=$GGUF data.max_samples=${GEN_PROMPTS:-3000} generate.samples_per_prompt=1 \
         generate.synthetic_prompts=0 "${extra[@]}" 2>&1 | grep -v "^\[self-distill\]\|Running" | tail -n 5
     done
-    for engine in hf sglang; do cp "$RUN/gen-$engine/_DONE.json" "$OUT/generate_$engine.json" 2>/dev/null; done ;;
+    for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do cp "$RUN/gen-$engine/_DONE.json" "$OUT/generate_$engine.json" 2>/dev/null; done ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 echo "step $STEP: $(( $(date +%s) - t0 )) s"

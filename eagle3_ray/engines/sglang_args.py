@@ -262,8 +262,8 @@ def engine_kwargs(
     ``bench``).
     ``info`` (aux layers, model type, depth) is read from the target config when not given;
     ``fields`` (the ServerArgs field names, which pick the capture path) from the installed SGLang.
-    ``max_batch`` (generate): the most requests the caller has in flight at once (``generate.batch_size``),
-    the decode batch CUDA graphs are captured up to (``graph_max_bs``).
+    ``max_batch`` (generate): the requests of one call (``generate.batch_size``): the decode batch CUDA
+    graphs are captured up to (``graph_max_bs``) and the most requests SGLang runs at once.
     """
     if mode not in MODES:
         raise ConfigError(f"engine mode {mode!r} is unknown; use one of {MODES}")
@@ -280,7 +280,13 @@ def engine_kwargs(
         kw.update(_spec_kwargs(drafter_dir, bench, spec_shape))
     kw = {**kw, **extra}
     if mode == "generate" and max_batch is not None:
-        kw.update(graph_max_bs(kw, max_batch, server_args_fields() if fields is None else fields))
+        graphs = graph_max_bs(kw, max_batch, server_args_fields() if fields is None else fields)
+        if graphs and "max_running_requests" not in kw:
+            # The caller keeps more requests queued than it decodes at once (SGLangEngine.calls_in_flight
+            # calls of max_batch each), so that a call's last long answers never decode alone; SGLang
+            # admits a queued request as a running one finishes, and every decode step replays a graph.
+            graphs["max_running_requests"] = max_batch
+        kw.update(graphs)
     return kw
 
 

@@ -828,7 +828,8 @@ def test_generate_calls_from_threads_share_the_engines_loop(target_dir):
 def test_a_generate_engine_captures_graphs_up_to_the_batch_it_is_sent(target_dir):
     """The generate stage sends generate.batch_size requests per call (512 in the H200 preset), above
     SGLang's default graph bound on an H100 or H200 (256): the engine is built with graphs up to that
-    batch, a real ServerArgs field; the user's own graph settings win, and graphs off stay off."""
+    batch and runs at most that many requests at once (real ServerArgs fields); the user's own graph
+    settings win, and graphs off stay off."""
     def built_with(**changes):
         seen = []
 
@@ -842,9 +843,16 @@ def test_a_generate_engine_captures_graphs_up_to_the_batch_it_is_sent(target_dir
         check_server_args(seen[0])
         return seen[0]
 
-    assert built_with()[GRAPH_MAX_BS] == 512 and not built_with().get("disable_cuda_graph")
-    assert built_with(sglang={"extra_engine_kwargs": {GRAPH_MAX_BS: 64}})[GRAPH_MAX_BS] == 64
-    assert GRAPH_MAX_BS not in built_with(sglang={"extra_engine_kwargs": {"disable_cuda_graph": True}})
+    kw = built_with()
+    assert kw[GRAPH_MAX_BS] == 512 and kw["max_running_requests"] == 512 and not kw.get("disable_cuda_graph")
+    assert "max_running_requests" in FIELDS  # a real field: check_server_args above would refuse it otherwise
+    # SGLangEngine keeps several calls queued; SGLang runs one batch of them, each step on a graph
+    assert SGLangEngine.calls_in_flight > 1
+    own = built_with(sglang={"extra_engine_kwargs": {GRAPH_MAX_BS: 64}})
+    assert own[GRAPH_MAX_BS] == 64 and "max_running_requests" not in own
+    assert built_with(sglang={"extra_engine_kwargs": {"max_running_requests": 2048}})["max_running_requests"] == 2048
+    off = built_with(sglang={"extra_engine_kwargs": {"disable_cuda_graph": True}})
+    assert GRAPH_MAX_BS not in off and "max_running_requests" not in off
     # capture never sizes graphs (they are off there), and without max_batch SGLang's default stands
     assert GRAPH_MAX_BS not in engine_kwargs(_target(target_dir, tp_size=1), "generate")
 
