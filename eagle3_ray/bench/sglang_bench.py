@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 
 from eagle3_ray.config import BenchConfig, PipelineConfig
 from eagle3_ray.engines.sglang_args import (
-    GRAPH_MAX_BS,
     check_server_args,
     engine_kwargs,
     generate_sampling,

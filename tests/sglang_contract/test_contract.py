@@ -33,8 +33,8 @@ from eagle3_ray.engines.base import default_aux_layers  # noqa: E402
 from eagle3_ray.engines.sglang import SGLangEngine  # noqa: E402
 from eagle3_ray.engines.sglang_args import (  # noqa: E402
     AUX_FLAG,
-    GRAPH_MAX_BS,
     CAPTURE_SAMPLING,
+    GRAPH_MAX_BS,
     MODES,
     check_extra_kwargs,
     check_server_args,
@@ -738,12 +738,12 @@ def test_benchmark_reads_the_counters_sglang_fills():
         SRT / "managers/scheduler_components/batch_result_processor.py").read_text()
     from eagle3_ray.bench import sglang_bench as sb
 
-    assert sb.GRAPH_MAX_BS in FIELDS
+    assert GRAPH_MAX_BS in FIELDS
     cfg = load_config(REPO / "configs" / "smollm2-h200.yaml")
     for mode in ("plain", "chain", "tree"):
         kw = sb.mode_kwargs(cfg, mode, "/drafter", FIELDS)
         check_server_args(kw)
-        assert kw[sb.GRAPH_MAX_BS] == max(cfg.bench.concurrency) and "disable_cuda_graph" not in kw
+        assert kw[GRAPH_MAX_BS] == max(cfg.bench.concurrency) and "disable_cuda_graph" not in kw
     record = sb.request_record({"output_ids": [1, 2], "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3,
                                                                     "spec_correct_drafts_histogram": [0, 1, 2]}}, 1.0)
     row = sb.summarize([record])
