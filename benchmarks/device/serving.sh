@@ -61,7 +61,7 @@ case "$STEP" in
     # sglang: the generate stage's engine (graphs up to generate.batch_size, that many requests running);
     # sglang-256: as before 2026-12-07, SGLang's own graph bound (256 on an H100/H200) and no cap on the
     # running requests (4 calls of 512 queued)
-    SG256='target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none, cuda_graph_max_bs_decode: 256}'
+    SG256="${SG%\}}, cuda_graph_max_bs_decode: 256}"  # $SG and that one key: the A/B differs in it alone
     for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do
       extra=(); [ $engine = sglang ] && extra=(target.backend=sglang "$SG"); [ $engine = sglang-256 ] && extra=(target.backend=sglang "$SG256")
       /usr/bin/time -f "[generate] $engine wall %e s" timeout -k 30 -s INT $(( (BUDGET - ($(date +%s) - t0)) / 3 )) \
