@@ -203,6 +203,23 @@ def test_runner_resumes_modes_and_reports_a_failed_mode(tmp_path, monkeypatch):
     assert "CUDA graphs on in every engine" in text
 
 
+def test_a_bench_without_concurrency_1_reports_its_lowest_concurrency(tmp_path, monkeypatch):
+    """bench.concurrency=[4]: the summary and headline are concurrency 4's (not "nothing was decoded"),
+    and no per-turn or per-category table of plain decoding alone (those are concurrency-1 figures)."""
+    cfg = _cfg(concurrency=[4])
+    monkeypatch.setattr(sglang_runner, "_run_task", lambda cfg, mode, drafter_dir, conversations, turns:
+                        sb.run_mode(cfg, mode, drafter_dir, conversations, turns, factory=FakeSGLangEngine))
+    sets = {cat: [Prompt(pid, cat, turns) for pid, turns in convs] for cat, convs in CONVERSATIONS.items()}
+    (tmp_path / "drafter").mkdir()
+    results = sglang_runner.sglang_only_results(cfg, str(tmp_path / "drafter"), sets, tmp_path)
+    assert results["summary_concurrency"] == 4
+    assert results["speedup"]["chain"] == results["sglang"]["speedup"]["chain"]["4"] is not None
+    assert results["per_turn"] == {} and results["per_category"] == {}
+    text = write_report(results, tmp_path).read_text()
+    assert "nothing was decoded" not in text and "4 requests in flight" in text
+    assert "At concurrency 4 (the lowest measured" in text and "## Per category" not in text
+
+
 class HangingEngine(FakeSGLangEngine):
     """FAKE engine that starts and then never answers (what a hung SGLang scheduler looks like)."""
 

@@ -69,7 +69,7 @@ case "$STEP" in
         --out "$RUN/gen-$engine" target.model=$GGUF data.max_samples=${GEN_PROMPTS:-3000} generate.samples_per_prompt=1 \
         generate.synthetic_prompts=0 "${extra[@]}" 2>&1 | grep -v "^\[self-distill\]\|Running" | tail -n 5
     done
-    for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do cp "$RUN/gen-$engine/_DONE.json" "$OUT/generate_$engine.json" 2>/dev/null; done ;;
+    for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do cp "$RUN/gen-$engine/summary.json" "$OUT/generate_$engine.json"; done ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 echo "step $STEP: $(( $(date +%s) - t0 )) s"

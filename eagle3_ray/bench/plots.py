@@ -24,7 +24,8 @@ DPI = 120
 def write_plots(results: dict[str, Any], out: Path, training: list[dict[str, Any]]) -> None:
     """The report's plots into ``out``; the training curves only with ``training`` rows."""
     _plot_throughput(results, out / THROUGHPUT_PLOT)
-    _plot_tau_by_category(results, out / TAU_PLOT)
+    if results.get("per_category"):  # the report shows it only then
+        _plot_tau_by_category(results, out / TAU_PLOT)
     _plot_accept_by_position(results, out / ACCEPT_PLOT)
     if training:
         _plot_training(training, out / TRAINING_PLOT, results)
@@ -69,7 +70,8 @@ def _plot_tau_by_category(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("tau (tokens per verify step)")
     ax.set_title("Acceptance length by category")
     ax.margins(y=0.2)  # headroom for the legend row
-    ax.legend(fontsize="small", ncols=max(len(kinds), 1), loc="upper center")
+    if kinds:
+        ax.legend(fontsize="small", ncols=len(kinds), loc="upper center")
     _save(fig, path)
 
 

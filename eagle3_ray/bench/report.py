@@ -87,7 +87,9 @@ def headline(results: dict[str, Any]) -> str:
                      + ("" if slower else "**"))
     if not parts:
         return "No speed figure (nothing was decoded)."
-    return ". ".join(parts) + " (tokens/s over plain decoding of the same turns)." + _first_set_tau(results)
+    c = results.get("summary_concurrency", 1)
+    at = f", {c} requests in flight" if c != 1 else ""
+    return ". ".join(parts) + f" (tokens/s over plain decoding of the same turns{at})." + _first_set_tau(results)
 
 
 def _first_set_tau(results: dict[str, Any]) -> str:
@@ -152,7 +154,9 @@ def _summary_section(results: dict[str, Any]) -> str:
             "" if kind == "baseline" else number(identical, "{:.0%}"),
         ])
     table = md_table(["mode", "tau", "tokens/s", "speedup", "output = baseline"], rows)
-    return f"## Summary\n\n{table}\n\n![throughput]({THROUGHPUT_PLOT})"
+    c = results.get("summary_concurrency", 1)
+    at = f"At concurrency {c} (the lowest measured; the SGLang section has every one).\n\n" if c != 1 else ""
+    return f"## Summary\n\n{at}{table}\n\n![throughput]({THROUGHPUT_PLOT})"
 
 
 def _parts_section(results: dict[str, Any]) -> str:

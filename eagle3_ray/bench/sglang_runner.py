@@ -90,8 +90,11 @@ def add_sglang(results: dict[str, Any], cfg: PipelineConfig, drafter_dir: str, s
 
 
 def _layout(section: dict[str, Any]) -> dict[str, Any]:
-    """The concurrency-1 rows as results.json's common layout (modes, baseline, per category/turn)."""
-    c1 = {m: by_c.get("1") for m, by_c in section["modes"].items()}
+    """The rows of the lowest concurrency measured (1 unless ``bench.concurrency`` lacks it) as
+    results.json's common layout (modes, baseline, per category/turn: those only at concurrency 1,
+    the only one whose requests are timed one by one)."""
+    low = str(min(section["concurrency"]))
+    c1 = {m: by_c.get(low) for m, by_c in section["modes"].items()}
     spec = [m for m in c1 if m != "plain" and c1[m]]
 
     def row(m: str, r: dict[str, Any] | None, speedup: float | None) -> dict[str, Any] | None:
@@ -101,10 +104,14 @@ def _layout(section: dict[str, Any]) -> dict[str, Any]:
         return {**kept, "speedup": speedup, "new_tokens": r.get("completion_tokens"), "turns": r.get("requests"),
                 "identical_to_baseline": section["identical_to_plain"].get(m)}
 
-    modes = {m: row(m, c1[m], (section["speedup"].get(m) or {}).get("1")) for m in spec}
+    modes = {m: row(m, c1[m], (section["speedup"].get(m) or {}).get(low)) for m in spec}
 
     def groups(grouped: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not any(m != "plain" for rows in grouped.values() for m in rows):
+            return {}  # plain's turns alone (no spec mode ran at concurrency 1): nothing to compare
         return {name: {("baseline" if m == "plain" else m): r for m, r in rows.items()} for name, rows in grouped.items()}
+
+    per_turn = groups(section["per_turn"])
 
     return {
         "tau": {m: modes[m]["tau"] for m in spec},
@@ -116,8 +123,9 @@ def _layout(section: dict[str, Any]) -> dict[str, Any]:
         "prompt_lookup": None,
         "untrained": None,
         "per_set": {},
-        "per_turn": {"all": groups(section["per_turn"])} if len(section["per_turn"]) > 1 else {},
+        "per_turn": {"all": per_turn} if len(per_turn) > 1 else {},
         "per_category": groups(section["per_category"]),
+        "summary_concurrency": int(low),
         "num_prompts": section["num_prompts"],
         "num_turns": section["num_turns"],
     }
