@@ -17,7 +17,7 @@
 #            tau against the project's own HF decoder on the same prompts (COMPARE_PROMPTS=8: 1 per category).
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
 #            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
-#            (on 2026-12-07 the full step printed nothing in 200 s).
+#            (on 2026-12-07 the full step printed nothing in 200 s). CYCLE_PARTS=smollm2 runs the SmolLM2 part alone.
 #   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang (the
 #            stage's engine, and SGLang's default graph bound as before; GEN_ENGINES picks some of hf sglang sglang-256).
 #            GEN_PROMPTS (default 3000) sets how many.
@@ -50,13 +50,19 @@ case "$STEP" in
   cycle)
     # SGLang builds a random:<dir> target with dummy weights from the dir's config.json (no tokenizer:
     # the engine takes token ids; single-turn prompts, since no history is decoded from its tokens)
-    mkdir -p /tmp/l8b && cp eagle3_ray/resources/llama3.1-8b-shape.json /tmp/l8b/config.json
-    timeout -k 30 -s INT "$BUDGET" python3 benchmarks/device/sglang_cycle.py --target random:/tmp/l8b \
-      --prompts .gq/gsm8k_test.jsonl --max-prompts 8 ${CYCLE_8B_ARGS:-} --out "$RUN/cycle_8b" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
-    cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json"
-    timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
-      --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
-    cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json" ;;
+    # CYCLE_PARTS picks some of: 8b smollm2 (the SmolLM2 part: serving1's drafter, trained, chain and tree)
+    if [[ " ${CYCLE_PARTS:-8b smollm2} " == *" 8b "* ]]; then
+      mkdir -p /tmp/l8b && cp eagle3_ray/resources/llama3.1-8b-shape.json /tmp/l8b/config.json
+      timeout -k 30 -s INT "$BUDGET" python3 benchmarks/device/sglang_cycle.py --target random:/tmp/l8b \
+        --prompts .gq/gsm8k_test.jsonl --max-prompts 8 ${CYCLE_8B_ARGS:-} --out "$RUN/cycle_8b" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
+      cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json"
+    fi
+    if [[ " ${CYCLE_PARTS:-8b smollm2} " == *" smollm2 "* ]]; then
+      [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz* | tar -xz -C "$RUN/train/out"; }
+      timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
+        --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
+      cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json"
+    fi ;;
   generate)
     # sglang: the generate stage's engine (graphs up to generate.batch_size, that many requests running);
     # sglang-256: as before 2026-12-07, SGLang's own graph bound (256 on an H100/H200) and no cap on the
