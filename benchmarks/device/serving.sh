@@ -19,7 +19,8 @@
 #            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
 #            (on 2026-12-07 the full step printed nothing in 200 s). CYCLE_PARTS=smollm2 runs the SmolLM2 part alone.
 #   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang (the
-#            stage's engine, and SGLang's default graph bound as before; GEN_ENGINES picks some of hf sglang sglang-256).
+#            stage's engine, and SGLang's default graph bound as before; GEN_ENGINES picks some of hf sglang sglang-256
+#            sglang-noprefill).
 #            GEN_PROMPTS (default 3000) sets how many.
 set -uo pipefail
 : "${STEP:?STEP=train|bench|compare|cycle|generate}" "${BUDGET:=540}" "${RUN:=/tmp/serving}" "${OUT:=/tmp/serving-out}"
@@ -66,14 +67,24 @@ case "$STEP" in
   generate)
     # sglang: the generate stage's engine (graphs up to generate.batch_size, that many requests running);
     # sglang-256: as before 2026-12-07, SGLang's own graph bound (256 on an H100/H200) and no cap on the
-    # running requests (4 calls of 512 queued)
+    # running requests (4 calls of 512 queued); sglang-noprefill: the stage's engine without prefill CUDA
+    # graphs (their capture is most of an engine's start on a new machine: 52 s of 80 on 2026-12-07)
     SG256="${SG%\}}, cuda_graph_max_bs_decode: 256}"  # $SG and that one key: the A/B differs in it alone
+    SGNP="${SG%\}}, cuda_graph_backend_prefill: disabled}"
     for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do
-      extra=(); [ $engine = sglang ] && extra=(target.backend=sglang "$SG"); [ $engine = sglang-256 ] && extra=(target.backend=sglang "$SG256")
+      extra=()
+      case $engine in
+        sglang) extra=(target.backend=sglang "$SG") ;;
+        sglang-256) extra=(target.backend=sglang "$SG256") ;;
+        sglang-noprefill) extra=(target.backend=sglang "$SGNP") ;;
+      esac
       /usr/bin/time -f "[generate] $engine wall %e s" timeout -k 30 -s INT $(( (BUDGET - ($(date +%s) - t0)) / 3 )) \
         python3 -m eagle3_ray.cli generate -c configs/smollm2-h200.yaml --data .gq/train_prompts_mt.jsonl \
         --out "$RUN/gen-$engine" target.model=$GGUF data.max_samples=${GEN_PROMPTS:-3000} generate.samples_per_prompt=1 \
-        generate.synthetic_prompts=0 "${extra[@]}" 2>&1 | grep -v "^\[self-distill\]\|Running" | tail -n 5
+        generate.synthetic_prompts=0 "${extra[@]}" 2>&1 | tee "$RUN/gen-$engine.log" | grep -v "^\[self-distill\]\|Running" | tail -n 5
+      # the engine's start, phase by phase (SGLang's info lines), and the stage's progress
+      grep -a "Init torch\|Load weight\|KV Cache\|CUDA graph\|server_args\|self-distill\|\[generate\]" "$RUN/gen-$engine.log" |
+        cut -c1-300 > "$OUT/generate_$engine.log"
     done
     for engine in ${GEN_ENGINES:-hf sglang sglang-256}; do cp "$RUN/gen-$engine/summary.json" "$OUT/generate_$engine.json"; done ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;

@@ -853,6 +853,10 @@ def test_a_generate_engine_captures_graphs_up_to_the_batch_it_is_sent(target_dir
     assert built_with(sglang={"extra_engine_kwargs": {"max_running_requests": 2048}})["max_running_requests"] == 2048
     off = built_with(sglang={"extra_engine_kwargs": {"disable_cuda_graph": True}})
     assert GRAPH_MAX_BS not in off and "max_running_requests" not in off
+    # prefill graphs off (benchmarks/device/serving.sh generate, sglang-noprefill): decode graphs still sized
+    if "cuda_graph_backend_prefill" in FIELDS:
+        no_prefill = built_with(sglang={"extra_engine_kwargs": {"cuda_graph_backend_prefill": "disabled"}})
+        assert no_prefill[GRAPH_MAX_BS] == 512 and no_prefill["max_running_requests"] == 512
     # capture never sizes graphs (they are off there), and without max_batch SGLang's default stands
     assert GRAPH_MAX_BS not in engine_kwargs(_target(target_dir, tp_size=1), "generate")
 
