@@ -94,8 +94,8 @@ def _layout(section: dict[str, Any]) -> dict[str, Any]:
     results.json's common layout (modes, baseline, per category/turn: those only at concurrency 1,
     the only one whose requests are timed one by one)."""
     low = str(min(section["concurrency"]))
-    c1 = {m: by_c.get(low) for m, by_c in section["modes"].items()}
-    spec = [m for m in c1 if m != "plain" and c1[m]]
+    at_low = {m: by_c.get(low) for m, by_c in section["modes"].items()}
+    spec = [m for m in at_low if m != "plain" and at_low[m]]
 
     def row(m: str, r: dict[str, Any] | None, speedup: float | None) -> dict[str, Any] | None:
         if r is None:
@@ -104,7 +104,7 @@ def _layout(section: dict[str, Any]) -> dict[str, Any]:
         return {**kept, "speedup": speedup, "new_tokens": r.get("completion_tokens"), "turns": r.get("requests"),
                 "identical_to_baseline": section["identical_to_plain"].get(m)}
 
-    modes = {m: row(m, c1[m], (section["speedup"].get(m) or {}).get(low)) for m in spec}
+    modes = {m: row(m, at_low[m], (section["speedup"].get(m) or {}).get(low)) for m in spec}
 
     def groups(grouped: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not any(m != "plain" for rows in grouped.values() for m in rows):
@@ -119,7 +119,7 @@ def _layout(section: dict[str, Any]) -> dict[str, Any]:
         "speedup": {m: modes[m]["speedup"] for m in spec},
         "accept_by_position": {m: modes[m]["accept_by_position"] for m in spec},
         "modes": modes,
-        "baseline": row("plain", c1.get("plain"), 1.0),
+        "baseline": row("plain", at_low.get("plain"), 1.0),
         "prompt_lookup": None,
         "untrained": None,
         "per_set": {},
