@@ -27,7 +27,8 @@ from eagle3_ray.train.context_parallel import (
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOL = {"loss": 1e-5, "loss_sum": 1e-5, "stats": 1e-5, "grad": 1e-6, "grad_rel": 1e-5}  # fp32 rounding (losses ~9)
+TOL = {"loss": 1e-5, "loss_sum": 1e-5, "stats": 1e-5, "grad": 1e-6, "grad_rel": 1e-5,  # fp32 rounding (losses ~9)
+       "held_out": 1e-5, "walk": 0.0}  # held-out metrics the same; the walked chain's counts exactly
 
 
 def _assert_exact(report: dict) -> None:
@@ -291,16 +292,19 @@ def _pack_check_worker(rank: int, world: int, init: str) -> None:
 def test_ray_train_workers_split_each_pack_and_step_on_the_one_worker_loss(ci_tiny_inputs, tmp_path):
     """ci-tiny on Ray Train with 2 gloo workers in one context-parallel group: each reads its own shards
     (train_<rank>), in the plan's order; the first step's loss, before any update, is the loss of the first
-    pack (up to 2 x batch_tokens) on one process; the training tokens count every token of the packs once."""
+    pack (up to 2 x batch_tokens) on one process; the training tokens count every token of the packs once.
+    Held-out evaluation splits each held-out pack over the group too: at lr 1e-12 (the weights stay the
+    initial ones) its metrics, the walked chain's tau included, are one process's on the whole packs."""
     from eagle3_ray.config import load_config
-    from eagle3_ray.drafter.ttt import ttt_forward
+    from eagle3_ray.drafter.ttt import WALK_STEPS, held_out_metrics, held_out_sums, ttt_forward
     from eagle3_ray.train.data import LoadPackUDF, row_to_batch
     from eagle3_ray.train.loop import build_drafter
     from eagle3_ray.train.trainer import plan_training, run_training, train_job
 
     features, vocab = ci_tiny_inputs / "features", ci_tiny_inputs / "vocab"
     cfg = load_config("configs/ci-tiny.yaml", ["train.context_parallel=2", "train.num_workers=2", "train.max_steps=2",
-                                               "train.log_every=1", "train.checkpoint_every=2"])
+                                               "train.log_every=1", "train.checkpoint_every=2", "train.val_share=0.5",
+                                               "train.eval_every=2", "train.lr=1e-12"])
     out = tmp_path / "train"
     ckpt = run_training(cfg, features, vocab, out)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -319,3 +323,17 @@ def test_ray_train_workers_split_each_pack_and_step_on_the_one_worker_loss(ci_ti
     with torch.no_grad():
         want = ttt_forward(drafter, batch, lm_head, cfg.train.ttt_steps, cfg.train.loss_decay).metrics["loss"]
     assert lines[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+    assert max(p.tokens for p in train_plan.val_packs) > cfg.train.batch_tokens  # held-out packs for the group
+    assert "val_loss" not in lines[0]
+    pairs = []
+    for p in train_plan.val_packs:
+        row = LoadPackUDF(str(features))({"key": np.asarray([p.key]), "samples": [np.asarray(p.samples)]})
+        pairs.append((row_to_batch({k: v[0] for k, v in row.items()}, "cpu", torch.float32), p.tokens))
+    walk = min(WALK_STEPS, cfg.train.ttt_steps)
+    held = held_out_metrics(held_out_sums(drafter, pairs, lambda b: ttt_forward(
+        drafter, b, lm_head, cfg.train.ttt_steps, cfg.train.loss_decay, walk_steps=walk)))
+    assert held["val_tokens"] == lines[-1]["val_tokens"] == sum(p.tokens for p in train_plan.val_packs)
+    assert held["val_tau_walk3"] == lines[-1]["val_tau_walk3"]  # counts of whole cycles: exact
+    for k in ("val_loss", "val_tau", "val_acc_0", "val_tau_chain3"):
+        assert lines[-1][k] == pytest.approx(held[k], rel=1e-5), k

@@ -393,17 +393,18 @@ def ttt_forward(
     tensors carry ``ttt_steps`` tokens past its own), step 0's keys are gathered over the group, each step's
     loss is divided by the group's count of valid positions, and the stats are the group's. The returned
     loss is then this rank's part: the group's ranks' losses add up to the loss of the whole pack on one
-    worker, and so do their gradients. sdpa or varlen attention; no ``walk_steps``.
+    worker, and so do their gradients. sdpa or varlen attention. ``walk_steps``: the walk crosses the split, so
+    the group's draft hits, loss masks and sample ids are gathered and the group's first rank walks the whole
+    pack (its ``walk``; the other ranks' is zeros: summed over the group, the pack's walk once).
     """
     assert set(BATCH_KEYS) <= set(batch), f"batch lacks {sorted(set(BATCH_KEYS) - set(batch))}"
     shard = batch.get("cp_shard")
     if (shard is not None) != (cp is not None and cp.size > 1):
         raise ValueError("a context-parallel shard (batch['cp_shard']) runs with its group (cp of more than one "
                          "rank), and a group only on shards")
-    if shard is not None and (attention not in ("sdpa", "varlen") or walk_steps or batch["seq_ids"].shape[0] != 1):
-        raise ValueError(f"context parallelism runs one packed row with sdpa or varlen attention and no walk; got "
-                         f"attention={attention!r}, walk_steps={walk_steps}, {batch['seq_ids'].shape[0]} rows "
-                         "(set train.attention=sdpa or varlen)")
+    if shard is not None and (attention not in ("sdpa", "varlen") or batch["seq_ids"].shape[0] != 1):
+        raise ValueError(f"context parallelism runs one packed row with sdpa or varlen attention; got "
+                         f"attention={attention!r}, {batch['seq_ids'].shape[0]} rows (set train.attention=sdpa or varlen)")
     if attention == "flex":
         batch = _pad_batch(batch, FLEX_BLOCK, pad_to)
     elif row_tokens and attention == "sdpa" and shard is None:
@@ -487,7 +488,12 @@ def ttt_forward(
         ce_sum, hits, scored = cp.all_reduce(torch.stack(stats)).unbind(dim=1)
         count = group_counts.clamp(min=1)
         stats = torch.stack([ce_sum / count, hits / count, group_counts, hits / scored.clamp(min=1)], dim=1).unbind(0)
-    walk = chain_walk(torch.stack(hits_by_step), loss_mask, seq) if hits_by_step else None
+    walk = None
+    if hits_by_step and shard is None:
+        walk = chain_walk(torch.stack(hits_by_step), loss_mask, seq)
+    elif hits_by_step:  # a turn may cross the split: the group's rows, walked once, on its first rank
+        hits, mask, seq_w = (cp.gather_row(x) for x in (torch.stack(hits_by_step), own(loss_mask), seq))
+        walk = chain_walk(hits, mask, seq_w) if cp.rank == 0 else torch.zeros(2, dtype=torch.float64)
     return TTTOutput(loss=total, stats=torch.stack(stats), loss_decay=loss_decay, walk=walk)
 
 

@@ -123,6 +123,14 @@ class ContextParallel:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def gather_row(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's [..., T] tensors (the same shape on every rank) joined along the last dimension in
+        rank order: a rank's own tokens -> the pack's [..., P T]; no gradient (held-out evaluation's walk)."""
+        wire = t.to(torch.int64) if t.dtype == torch.bool else t  # bool is not on every backend's wire
+        parts = [torch.empty_like(wire) for _ in range(self.size)]
+        dist.all_gather(parts, wire.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1).to(t.dtype)
+
     # ---- what the training loop calls
 
     def check_same_pack(self, key: str) -> None:
@@ -447,7 +455,10 @@ def _check_worker(rank: int, world: int, init: str, path: str, spec: dict) -> No
                 if pack["aux_hidden"].is_floating_point():
                     pack["aux_hidden"] = pack["aux_hidden"].to(spec["dtype"])
                     pack["last_hidden"] = pack["last_hidden"].to(spec["dtype"])
-                out = step(shard_batch(pack, cp.size, cp.rank, spec["ttt_steps"]))
+                shard = shard_batch(pack, cp.size, cp.rank, spec["ttt_steps"])
+                held = step.held_out_sums([(shard, shard["cp_shard"].tokens)])  # evaluation: no gradient
+                dist.all_reduce(held)  # every group's pack, as the training loop's evaluate sums them
+                out = step(shard)
                 part = out.loss.detach().float().reshape(1)
                 dist.all_reduce(part, group=cp.group)  # the group's loss: its ranks' parts
                 m = torch.tensor([part.item(), _metrics(out.stats.tolist(), out.loss_decay)["loss"]],
@@ -456,7 +467,7 @@ def _check_worker(rank: int, world: int, init: str, path: str, spec: dict) -> No
                 stats = out.stats.detach().float().cpu().clone()
                 dist.all_reduce(stats)
                 results[(_case_name(case), j)] = {"loss_sum": m[0].item() / world, "loss": m[1].item() / world,
-                                                  "stats": stats / world, "grads": _grads(drafter)}
+                                                  "stats": stats / world, "grads": _grads(drafter), "held": held}
         if rank == 0:
             torch.save(results, path)
     finally:
@@ -475,11 +486,14 @@ def cp_exactness(context_parallel: int = 2, data_parallel: int = 1, packs: Seque
     Returns, per case (``"attention=sdpa"``, ...; ``cases``: `TrainStep` options) and over all packs, the
     largest absolute differences: ``loss`` (the group's metric), ``loss_sum`` (the sum of the ranks' losses,
     what is backpropagated), ``stats`` (every per-step figure), ``grad`` (every parameter's gradient entry),
-    ``grad_rel`` (``grad`` over the largest gradient entry), and under ``"max"`` the largest of each.
+    ``grad_rel`` (``grad`` over the largest gradient entry), ``held_out`` (every held-out metric of the
+    groups' packs, `TrainStep.held_out_sums` summed over the ranks, the walked chain's tau included),
+    ``walk`` (the walked chain's tokens and cycles: integers, so exactly 0), and under ``"max"`` the largest
+    of each.
     """
     import torch.multiprocessing as mp
 
-    from eagle3_ray.drafter.ttt import ttt_forward
+    from eagle3_ray.drafter.ttt import WALK_STEPS, held_out_metrics, held_out_sums, ttt_forward
 
     world = context_parallel * data_parallel
     pack_sets = [[random_pack(packs[(j + g) % len(packs)], shape, seed + j + g) for g in range(data_parallel)]
@@ -493,17 +507,24 @@ def cp_exactness(context_parallel: int = 2, data_parallel: int = 1, packs: Seque
     report: dict[str, Any] = {}
     for case in cases:
         name = _case_name(case)
-        worst = dict(loss=0.0, loss_sum=0.0, stats=0.0, grad=0.0, grad_rel=0.0)
+        worst = dict(loss=0.0, loss_sum=0.0, stats=0.0, grad=0.0, grad_rel=0.0, held_out=0.0, walk=0.0)
         for j, group_packs in enumerate(pack_sets):
             loss, stats, grads = 0.0, 0.0, {}
+            held = torch.zeros_like(got[(_case_name(case), j)]["held"])
             for pack in group_packs:
                 drafter, lm_head = tiny_drafter(shape, seed)
                 drafter.to(dtype=dtype)
                 c = _step_config(case, ttt_steps)
                 pack = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pack.items()}
-                ref = ttt_forward(drafter, pack, lm_head.to(dtype), c.ttt_steps, c.loss_decay, c.attention,
-                                  loss_kernel=c.loss_kernel, loss_chunk_tokens=c.loss_chunk_tokens,
-                                  recompute_steps=c.recompute_steps)
+
+                def forward(b, walk_steps=0, drafter=drafter, lm_head=lm_head, c=c):
+                    return ttt_forward(drafter, b, lm_head.to(dtype), c.ttt_steps, c.loss_decay, c.attention,
+                                       loss_kernel=c.loss_kernel, loss_chunk_tokens=c.loss_chunk_tokens,
+                                       recompute_steps=c.recompute_steps, walk_steps=walk_steps)
+
+                held += held_out_sums(drafter, [(pack, int((pack["seq_ids"] >= 0).sum()))],
+                                      lambda b, f=forward: f(b, walk_steps=min(WALK_STEPS, ttt_steps)))
+                ref = forward(pack)
                 ref.loss.backward()
                 loss += ref.loss.item() / data_parallel
                 stats = stats + ref.stats.float() / data_parallel
@@ -514,12 +535,20 @@ def cp_exactness(context_parallel: int = 2, data_parallel: int = 1, packs: Seque
                 raise AssertionError(f"{name}: gradients of {sorted(r['grads'])} against {sorted(grads)}")
             largest = max(float(g.abs().max()) for g in grads.values())
             grad = max(float((r["grads"][n] - g).abs().max()) for n, g in grads.items())
+            if float(held[-1]) == 0:
+                raise AssertionError(f"{name}: the packs of set {j} give no walked chain to compare")
+            mine, ref_m = held_out_metrics(r["held"]), held_out_metrics(held)
+            if mine.keys() != ref_m.keys():
+                raise AssertionError(f"{name}: held-out metrics {sorted(mine)} against {sorted(ref_m)}")
             for k, v in (("loss", abs(r["loss"] - loss)), ("loss_sum", abs(r["loss_sum"] - loss)),
                          ("stats", float((r["stats"] - stats).abs().max())), ("grad", grad),
-                         ("grad_rel", grad / max(largest, 1e-30))):
+                         ("grad_rel", grad / max(largest, 1e-30)),
+                         ("held_out", max(abs(mine[k] - ref_m[k]) for k in ref_m)),
+                         ("walk", float((r["held"][-2:] - held[-2:]).abs().max()))):
                 worst[k] = max(worst[k], v)
         report[name] = worst
-    report["max"] = {k: max(r[k] for r in report.values()) for k in ("loss", "loss_sum", "stats", "grad", "grad_rel")}
+    report["max"] = {k: max(r[k] for r in report.values())
+                     for k in ("loss", "loss_sum", "stats", "grad", "grad_rel", "held_out", "walk")}
     return report
 
 

@@ -278,12 +278,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over this rank's share of the held-out packs (none when it has none),
         summed over the ranks (on the host gloo group) before the token-weighted means; with
-        train.val_groups, each group's too ("val_tau/<name>", ...)."""
+        train.val_groups, each group's too ("val_tau/<name>", ...). Under context parallelism the
+        share is the group's packs, each rank its shard of them, in step with its group."""
         rows = self.val_rows if self.val_rows is not None else ()
         of = self.job.val_pack_groups
         names = sorted(set(of.values()))
         sums = torch.zeros(1 + len(names), HELD_OUT_WIDTH, dtype=torch.float64)  # all, then each group
         for row in rows:
+            if self.cp.enabled:
+                self.cp.check_same_pack(str(row["key"]))
             s = self.train_step.held_out_sums([self._convert(row)])
             sums[0] += s
             if (name := of.get(str(row["key"]))) is not None:

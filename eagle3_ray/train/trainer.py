@@ -122,7 +122,10 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
         identity["val_split"] = "by_prompt"
     if t.eval_only:  # which samples are trained on depends on them
         identity["eval_only"] = {g: t.val_groups[g] for g in t.eval_only}
-    val_packs, val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens, t.seed)
+    # Under context parallelism a group evaluates a held-out pack split over its ranks, as it trains: packs of
+    # up to context_parallel x batch_tokens tokens, so that a held-out sample as long as a training one fits.
+    val_packs, val_pack_groups = plan_held_out(store.lengths, held, groups, t.batch_tokens * t.context_parallel,
+                                               t.seed)
     train_plan = plan_run(cfg, store.lengths, data_fp, vocab, out, target, keep=keep, identity=identity,
                           val_packs=val_packs, val_pack_groups=val_pack_groups)
     if val_packs:
@@ -236,11 +239,13 @@ def run_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, o
                                       loaders=t.pack_loaders * t.num_workers)
     # Held-out packs, dealt to the ranks here: Ray Train's split is equal-sized and would drop the
     # packs that do not divide evenly. Each rank reads only its own "val_<rank>" (unsplit); its loader
-    # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs.
-    workers, val_packs = cfg.train.num_workers, train_plan.val_packs
-    val = {f"val_{r}": build_train_dataset(val_packs[r::workers], root, cfg.extract.on_corrupt_shard, loaders=1,
-                                           num_cpus=0)
-           for r in range(workers) if val_packs[r::workers]}
+    # takes no CPU reservation, so evaluating can never wait on the training loaders' CPUs. Under context
+    # parallelism the deal is per group, and each rank of a group reads its shards of the group's packs.
+    workers, cp, val_packs = t.num_workers, t.context_parallel, train_plan.val_packs
+    groups = workers // cp
+    val = {f"val_{r}": build_train_dataset(val_packs[r // cp :: groups], root, cfg.extract.on_corrupt_shard,
+                                           loaders=1, num_cpus=0, cp=(cp, r % cp, t.ttt_steps) if cp > 1 else None)
+           for r in range(workers) if val_packs[r // cp :: groups]}
     return fit(cfg, train_plan, dataset, out, t0, trains_on_gpu(cfg), val_datasets=val)
 
 
@@ -255,8 +260,8 @@ def cp_datasets(packs: list[Pack], root: str, on_corrupt: str, t) -> dict:
 
 
 def cp_data_config(datasets: dict):
-    """Ray Train's DataConfig of `cp_datasets`: none split (each rank reads its own whole), their order
-    preserved (a group's ranks meet on the same pack at every step)."""
+    """Ray Train's DataConfig of `cp_datasets` (and the held-out ones): none split (each rank reads its own
+    whole), their order preserved (a group's ranks meet on the same pack at every step)."""
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True
     return ray.train.DataConfig(datasets_to_split=[], execution_options={name: options for name in datasets})
@@ -296,7 +301,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
                       context_parallel=cfg.train.context_parallel)
     train_sets = dataset if isinstance(dataset, dict) else {"train": dataset}
     if dataset_config is None:
-        dataset_config = (cp_data_config(train_sets) if cfg.train.context_parallel > 1
+        dataset_config = (cp_data_config({**train_sets, **(val_datasets or {})}) if cfg.train.context_parallel > 1
                           else ray.train.DataConfig(datasets_to_split=["train"]))
     if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
