@@ -301,6 +301,46 @@ def tau_by_length(bench_dir: Path, edges: list[int]) -> dict[str, dict[str, Any]
     return out
 
 
+def _turns(bench_dir: Path, kind: str) -> dict[tuple[str, int], dict]:
+    """{(prompt id, turn): record} of one mode's per-turn records in a bench's partial/."""
+    return {(r["prompt_id"], int(r["turn"])): r for f in sorted((bench_dir / "partial").glob("*.json"))
+            for r in json.loads(f.read_text())["records"].get(kind, [])}
+
+
+def paired(first: Path, second: Path, edges: list[int], kind: str = "chain", draws: int = 2000,
+           seed: int = 0) -> dict[str, Any]:
+    """Two benches of the same evaluation set, turn by turn: the pooled tau of the turns both measured
+    (weighted by verify steps, as the bench pools it), first minus second, overall and per bucket of the first's prompt tokens,
+    with a 95% bootstrap interval over the turns (``draws`` resamples, seeded); ``same_prompt``: the turns
+    whose prompts have the same length in both (each bench answers the history with its own greedy
+    baseline, and bf16 decoding can part at a near-tie, so later turns may differ in text)."""
+    a, b = _turns(first, kind), _turns(second, kind)
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        raise SystemExit(f"{first} and {second} share no {kind} turn to compare")
+    names = bucket_names(edges)
+
+    def pooled(recs: dict, ks: list) -> float:  # the bench's pooling (bench.runner.aggregate): tau weighted by steps
+        steps = [(recs[k]["stats"]["tau"], recs[k]["stats"]["verify_steps"]) for k in ks]
+        return sum(t * n for t, n in steps) / max(sum(n for _, n in steps), 1)
+
+    rng = random.Random(seed)
+
+    def compare(ks: list) -> dict[str, Any]:
+        diffs = sorted(pooled(a, d) - pooled(b, d) for d in ([rng.choice(ks) for _ in ks] for _ in range(draws)))
+        return {"turns": len(ks), "first": pooled(a, ks), "second": pooled(b, ks), "diff": pooled(a, ks) - pooled(b, ks),
+                "ci95": [diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]],
+                "max_prompt_tokens": max(a[k]["prompt_tokens"] for k in ks)}
+
+    out: dict[str, Any] = {"mode": kind, "all": compare(keys), "by_bucket": {},
+                           "same_prompt": sum(a[k]["prompt_tokens"] == b[k]["prompt_tokens"] for k in keys)}
+    for i, name in enumerate(names):
+        ks = [k for k in keys if sum(a[k]["prompt_tokens"] >= e for e in edges) == i]
+        if ks:
+            out["by_bucket"][name] = compare(ks)
+    return out
+
+
 def _table(results: dict[str, dict], kinds: list[str], names: list[str]) -> str:
     """Markdown: tau (turns) per run and mode, one column per context-length bucket."""
     used = [b for b in names if any(b in r.get(k, {}) for r in results.values() for k in kinds)]
@@ -337,6 +377,10 @@ def main(argv=None) -> int:
     s.add_argument("--out", required=True)
     s.add_argument("--max-tokens", type=int, default=2048)
     s.add_argument("--tokenizer", default="smollm2")
+    h = sub.add_parser("thin", help="every --every-th conversation of each bucket (a smaller set of the same spread)")
+    h.add_argument("--input", required=True, help="a build's JSONL")
+    h.add_argument("--out", required=True)
+    h.add_argument("--every", type=int, default=2)
     t = sub.add_parser("tau", help="tau by context length from bench stages' per-turn records")
     t.add_argument("--bench", nargs="+", required=True, help="bench stage --out dirs (with partial/)")
     t.add_argument("--labels", default=None, help="comma-separated names of the bench dirs")
@@ -368,6 +412,21 @@ def main(argv=None) -> int:
         Path(a.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pieces), encoding="utf-8")
         print(json.dumps({"out": a.out, "conversations": n_in, "pieces": len(pieces), "over_max_tokens": over,
                           "max_tokens": a.max_tokens, "tokens": sum(p["tokens"] for p in pieces)}))
+    elif a.cmd == "thin":
+        if a.every < 1:
+            ap.error("--every >= 1")
+        seen: dict[str, int] = {}
+        kept = []
+        for line in Path(a.input).read_text(encoding="utf-8").split("\n"):  # not splitlines: U+2028 in a turn
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            at = seen[r["category"]] = seen.get(r["category"], -1) + 1
+            if at % a.every == 0:
+                kept.append(line + "\n")
+        Path(a.out).write_text("".join(kept), encoding="utf-8")
+        print(json.dumps({"out": a.out, "conversations": len(kept), "of": sum(c + 1 for c in seen.values()),
+                          "turns": sum(json.loads(k)["num_turns"] for k in kept)}))
     else:
         edges = sorted(int(x) for x in a.buckets.split(","))
         labels = a.labels.split(",") if a.labels else [str(d) for d in a.bench]
@@ -376,9 +435,18 @@ def main(argv=None) -> int:
         results = {label: tau_by_length(Path(d), edges) for label, d in zip(labels, a.bench)}
         kinds = sorted({k for r in results.values() for k in r}, key=lambda k: (k != "baseline", k))
         print(_table(results, [k for k in kinds if k != "baseline"], bucket_names(edges)))
+        pair = None
+        if len(a.bench) == 2 and "chain" in kinds:
+            pair = paired(Path(a.bench[0]), Path(a.bench[1]), edges)
+            print(f"\n{labels[0]} - {labels[1]}, the same turns paired (chain tau, 95% bootstrap interval over turns; "
+                  f"{pair['same_prompt']} of {pair['all']['turns']} turns with prompts of the same length):\n")
+            print("| turns | n | " + " | ".join(labels) + " | difference | 95% interval |\n|---|---|---|---|---|---|")
+            for name, c in [("all", pair["all"]), *pair["by_bucket"].items()]:
+                print(f"| {name} | {c['turns']} | {c['first']:.3f} | {c['second']:.3f} | {c['diff']:+.3f} | "
+                      f"{c['ci95'][0]:+.3f} .. {c['ci95'][1]:+.3f} |")
         if a.out:
             Path(a.out).write_text(json.dumps({"edges": edges, "runs": dict(zip(labels, map(str, a.bench))),
-                                               "tau_by_prompt_tokens": results}, indent=1))
+                                               "tau_by_prompt_tokens": results, "paired": pair}, indent=1))
     return 0
 
 

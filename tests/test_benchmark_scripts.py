@@ -305,6 +305,8 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     assert len(used) == len(set(used)) and not any(u == "spec_bench:81" for u in used)  # Spec-Bench's MT-bench copy out
     sets = load_prompt_sets(str(out))
     assert {c: len(p) for c, p in sets.items()} == {"256": 2, "512": 2}
+    assert les.main(["thin", "--input", str(out), "--out", str(tmp_path / "half.jsonl"), "--every", "2"]) == 0
+    assert [json.loads(line) for line in (tmp_path / "half.jsonl").read_text().splitlines()] == rows[:2]  # 1 a bucket
     samples = [s for s in read_samples(out) if isinstance(s, Sample)]
     assert [len(s.messages) for s in samples] == [r["num_turns"] for r in rows]
 
@@ -335,3 +337,22 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     assert got["chain"]["256-512"]["tau"] == 1.5 and ">=512" not in got["chain"]
     assert les.main(["tau", "--bench", str(bench), "--buckets", "256,512", "--out", str(tmp_path / "tau.json")]) == 0
     assert json.loads((tmp_path / "tau.json").read_text())["tau_by_prompt_tokens"][str(bench)]["chain"]["256-512"]["turns"] == 1
+
+    # paired: two benches' same turns (one only in the first, not compared), by the first's prompt tokens
+    def turns(spec):
+        return {"records": {"chain": [{**rec(n, tau, steps), "prompt_id": pid, "turn": t}
+                                      for pid, t, n, tau, steps in spec]}}
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for d, spec in ((first, [("a", 0, 100, 2.0, 10), ("a", 1, 300, 3.0, 10), ("b", 0, 50, 1.0, 5)]),
+                    (second, [("a", 0, 100, 1.0, 10), ("a", 1, 290, 2.0, 30)])):
+        (d / "partial").mkdir(parents=True)
+        (d / "partial" / "x.json").write_text(json.dumps(turns(spec)))
+    pair = les.paired(first, second, [256, 512], draws=200)
+    assert pair["all"]["turns"] == 2 and pair["same_prompt"] == 1
+    assert pair["all"]["first"] == pytest.approx(2.5) and pair["all"]["second"] == pytest.approx((10 + 60) / 40)
+    assert pair["all"]["ci95"][0] <= pair["all"]["diff"] <= pair["all"]["ci95"][1]
+    assert pair["by_bucket"]["<256"]["diff"] == pytest.approx(1.0) and pair["by_bucket"]["256-512"]["diff"] == pytest.approx(1.0)
+    assert les.main(["tau", "--bench", str(first), str(second), "--labels", "x,y", "--buckets", "256,512",
+                     "--out", str(tmp_path / "pair.json")]) == 0
+    assert json.loads((tmp_path / "pair.json").read_text())["paired"]["all"]["turns"] == 2

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Does training on long samples pay on long turns? Two SmolLM2 drafters trained on the same answers, then
-# benched on the same long conversations, tau by the context length of each turn. Not run on a GPU yet;
-# every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
+# benched on the same long conversations, tau by the context length of each turn. Run on one H100 on 2026-12-07
+# with the halves of the sets (record long_context_tau):
+#   STEP=both TRAIN_DATA=.gq/long_train_half.jsonl (343 s), then STEP=bench-both EVAL_DATA=.gq/long_eval_half.jsonl
+#   BUDGET=520 and again BUDGET=195 (the 8K conversations unfinished), then STEP=tau on the CPU machine.
+# Every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
 # both, the two runs at once, 144 s).
 #
 #   long   configs/smollm2-long.yaml (data.max_length 8192) on long multi-turn prompts that the target
@@ -20,8 +23,9 @@
 #   After `source benchmarks/device/session.sh env` (base, gg1, gg2 done: packages, the GGUF, /tmp/gq):
 #   STEP=<data|long|short|bench-long|bench-short|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
 #   data        .gq/long_train.jsonl (training sets, 4 buckets to 8K, 256 tokens reserved per answer, every
-#               prompt once) and .gq/long_eval.jsonl (held-out sets, 6 per bucket, 128 reserved). CPU only, and
-#               it reads ../shared/data: run it on the CPU machine, then carry .gq.
+#               prompt once) and .gq/long_eval.jsonl (held-out sets, 6 per bucket, 128 reserved), and their halves
+#               .gq/long_{train,eval}_half.jsonl (every other conversation of each bucket: 375 conversations, 5,259
+#               turns; 12, 234 turns). CPU only, and it reads ../shared/data: run it on the CPU machine, then carry .gq.
 #   long, short the pipeline to its export; repeat the same STEP in the next call to resume. The drafter
 #               comes back as $OUT/drafter-<run>.tgz.part-*; short needs long's generate stage on this machine.
 #   bench-long, bench-short   eagle3-ray bench of that drafter on .gq/long_eval.jsonl (resumes by bucket).
@@ -29,7 +33,7 @@
 #               Its output comes back as $OUT/bench-<run>.tgz (per-turn records under partial/, results, log).
 #   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
 #               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
-#   bench-both  bench-long then bench-short in one call.
+#   bench-both  bench-long and bench-short at once in one call (their tau; neither's speed is a figure then).
 #   both        long, and short started as soon as long's generate stage is written: the two runs train at once
 #               (each its own local Ray instance; one GPU, 16 CPUs), resumable like each alone.
 # A smoke of every step on the CPU machine (a few small conversations, short answers; nothing measured):
@@ -84,6 +88,9 @@ case "$STEP" in
       --answer-tokens 256 --out .gq/long_train.jsonl
     python3 benchmarks/long_eval_set.py build --data ../shared/data --sources eval --per-bucket 6 \
       --answer-tokens 128 --out .gq/long_eval.jsonl
+    for f in train eval; do  # the halves the first GPU run used (every other conversation of each bucket)
+      python3 benchmarks/long_eval_set.py thin --input .gq/long_$f.jsonl --out .gq/long_${f}_half.jsonl --every 2
+    done
     cp .gq/long_train.jsonl .gq/long_eval.jsonl "$OUT/" ;;
   long) pipeline long "$TRAIN_DATA" ;;
   short) short ;;
@@ -93,7 +100,9 @@ case "$STEP" in
     short; wait $lp; cat "$RUN/both-long.out" ;;
   bench-long) bench long ;;
   bench-short) bench short ;;
-  bench-both) bench long && bench short ;;
+  bench-both)  # at once on the one GPU: tau is what this experiment reads, the speeds of either bench are not figures
+    bench long > "$RUN/both-bench-long.out" 2>&1 & bp=$!
+    bench short; wait $bp; cat "$RUN/both-bench-long.out" ;;
   tau)
     python3 benchmarks/long_eval_set.py tau --bench "${BENCH_LONG:-$RUN/bench-long}" "${BENCH_SHORT:-$RUN/bench-short}" \
       --labels long,short-2k --out "$OUT/long_context_tau.json" | tee "$OUT/long_context_tau.md" ;;
