@@ -17,7 +17,9 @@
 #            tau against the project's own HF decoder on the same prompts (COMPARE_PROMPTS=8: 1 per category).
 #   cycle    where the cycle goes (sglang_cycle.py): the Llama-3.1-8B shape with dummy weights, then SmolLM2.
 #            Three engine starts at 8B outlast one call: CYCLE_8B_ARGS="--modes chain --max-new-tokens 128" fits
-#            (on 2026-12-07 the full step printed nothing in 200 s). CYCLE_PARTS=smollm2 runs the SmolLM2 part alone.
+#            (on 2026-12-07 the full step printed nothing in 200 s). CYCLE_PARTS=smollm2 runs the SmolLM2 part alone:
+#            BUDGET=250 on a fresh H100 (2026-12-07) got through plain (its engine up in 85 s, cold) and chain, not
+#            tree, and cycle.json is written at the end only: BUDGET=420, or CYCLE_SMOLLM2_ARGS="--modes chain".
 #   generate self-distillation of the same 3,000 training prompts by the HF generator and by SGLang (the
 #            stage's engine, and SGLang's default graph bound as before; GEN_ENGINES picks some of hf sglang sglang-256
 #            sglang-noprefill).
@@ -61,7 +63,8 @@ case "$STEP" in
     if [[ " ${CYCLE_PARTS:-8b smollm2} " == *" smollm2 "* ]]; then
       [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz* | tar -xz -C "$RUN/train/out"; }
       timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
-        --target $GGUF --drafter "$RUN/train/out/drafter" --out "$RUN/cycle_smollm2" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
+        --target $GGUF --drafter "$RUN/train/out/drafter" ${CYCLE_SMOLLM2_ARGS:-} --out "$RUN/cycle_smollm2" 2>&1 |
+        grep "\[cycle\]\|\[bench\]\|Error\|error"
       cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json"
     fi ;;
   generate)
