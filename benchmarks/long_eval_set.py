@@ -381,6 +381,7 @@ def main(argv=None) -> int:
     h.add_argument("--input", required=True, help="a build's JSONL")
     h.add_argument("--out", required=True)
     h.add_argument("--every", type=int, default=2)
+    h.add_argument("--categories", default=None, help="comma-separated buckets to keep (default: all), e.g. 8k")
     t = sub.add_parser("tau", help="tau by context length from bench stages' per-turn records")
     t.add_argument("--bench", nargs="+", required=True, help="bench stage --out dirs (with partial/)")
     t.add_argument("--labels", default=None, help="comma-separated names of the bench dirs")
@@ -422,7 +423,7 @@ def main(argv=None) -> int:
                 continue
             r = json.loads(line)
             at = seen[r["category"]] = seen.get(r["category"], -1) + 1
-            if at % a.every == 0:
+            if at % a.every == 0 and (a.categories is None or r["category"] in a.categories.split(",")):
                 kept.append(line + "\n")
         Path(a.out).write_text("".join(kept), encoding="utf-8")
         print(json.dumps({"out": a.out, "conversations": len(kept), "of": sum(c + 1 for c in seen.values()),

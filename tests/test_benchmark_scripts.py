@@ -307,6 +307,9 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     assert {c: len(p) for c, p in sets.items()} == {"256": 2, "512": 2}
     assert les.main(["thin", "--input", str(out), "--out", str(tmp_path / "half.jsonl"), "--every", "2"]) == 0
     assert [json.loads(line) for line in (tmp_path / "half.jsonl").read_text().splitlines()] == rows[:2]  # 1 a bucket
+    assert les.main(["thin", "--input", str(out), "--out", str(tmp_path / "512.jsonl"), "--every", "1",
+                     "--categories", "512"]) == 0
+    assert [json.loads(line) for line in (tmp_path / "512.jsonl").read_text().splitlines()] == rows[1::2]
     samples = [s for s in read_samples(out) if isinstance(s, Sample)]
     assert [len(s.messages) for s in samples] == [r["num_turns"] for r in rows]
 

@@ -4,6 +4,10 @@
 # with the halves of the sets (record long_context_tau):
 #   STEP=both TRAIN_DATA=.gq/long_train_half.jsonl (343 s), then STEP=bench-both EVAL_DATA=.gq/long_eval_half.jsonl
 #   BUDGET=520 and again BUDGET=195 (the 8K conversations unfinished), then STEP=tau on the CPU machine.
+#   To finish the 6-8K turns on a fresh machine: carry .drafter-long/ and .drafter-short/ (the drafters that run
+#   returned), STEP=bench-both EVAL_DATA=.gq/long_eval_half_8k.jsonl (long_eval_set.py thin --every 2
+#   --categories 8k: 3 conversations, 92 turns), then copy its partial/*.json beside the committed benches'
+#   (benchmarks/results/long_context_bench_*_h100.tgz) and run STEP=tau on both directories.
 # Every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
 # both, the two runs at once, 144 s).
 #
@@ -29,7 +33,7 @@
 #   long, short the pipeline to its export; repeat the same STEP in the next call to resume. The drafter
 #               comes back as $OUT/drafter-<run>.tgz.part-*; short needs long's generate stage on this machine.
 #   bench-long, bench-short   eagle3-ray bench of that drafter on .gq/long_eval.jsonl (resumes by bucket).
-#               A drafter from an earlier machine: carry .drafter-<run>/ holding its drafter.tgz.part-*.
+#               A drafter from an earlier machine: carry .drafter-<run>/ holding its drafter-<run>.tgz.part-*.
 #               Its output comes back as $OUT/bench-<run>.tgz (per-turn records under partial/, results, log).
 #   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
 #               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
@@ -75,7 +79,7 @@ short() {  # the long run's answered conversations cut into pieces of at most SH
 bench() {  # <run name>: its drafter on the long evaluation set
   local name=$1
   if [ ! -d "$RUN/$name/drafter" ]; then
-    mkdir -p "$RUN/$name" && cat ".drafter-$name"/drafter.tgz.part-* | tar -xz -C "$RUN/$name" || exit 2
+    mkdir -p "$RUN/$name" && cat ".drafter-$name"/*.tgz.part-* | tar -xz -C "$RUN/$name" || exit 2
   fi
   cli bench -c configs/smollm2-long.yaml --drafter "$RUN/$name/drafter" --out "$RUN/bench-$name" target.model=$GGUF \
     bench.prompts="$EVAL_DATA" bench.max_prompts=1000 bench.modes=[chain] bench.untrained=false \
