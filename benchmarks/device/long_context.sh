@@ -25,7 +25,7 @@
 #   tokens per piece (the system prompt and headers its pieces repeat).
 #
 #   After `source benchmarks/device/session.sh env` (base, gg1, gg2 done: packages, the GGUF, /tmp/gq):
-#   STEP=<data|long|short|bench-long|bench-short|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
+#   STEP=<data|long|short|both|bench-long|bench-short|bench-both|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
 #   data        .gq/long_train.jsonl (training sets, 4 buckets to 8K, 256 tokens reserved per answer, every
 #               prompt once) and .gq/long_eval.jsonl (held-out sets, 6 per bucket, 128 reserved), and their halves
 #               .gq/long_{train,eval}_half.jsonl (every other conversation of each bucket: 375 conversations, 5,259
