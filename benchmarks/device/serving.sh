@@ -58,14 +58,16 @@ case "$STEP" in
       mkdir -p /tmp/l8b && cp eagle3_ray/resources/llama3.1-8b-shape.json /tmp/l8b/config.json
       timeout -k 30 -s INT "$BUDGET" python3 benchmarks/device/sglang_cycle.py --target random:/tmp/l8b \
         --prompts .gq/gsm8k_test.jsonl --max-prompts 8 ${CYCLE_8B_ARGS:-} --out "$RUN/cycle_8b" 2>&1 | grep "\[cycle\]\|\[bench\]\|Error\|error"
-      cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json"
+      cp "$RUN/cycle_8b/cycle.json" "$OUT/sglang_cycle_8b.json" ||
+        cp "$RUN/cycle_8b/cycle_partial.json" "$OUT/sglang_cycle_8b_partial.json"
     fi
     if [[ " ${CYCLE_PARTS:-8b smollm2} " == *" smollm2 "* ]]; then
       [ -d "$RUN/train/out/drafter" ] || { mkdir -p "$RUN/train/out" && cat .drafter/drafter.tgz* | tar -xz -C "$RUN/train/out"; }
       timeout -k 30 -s INT $(( BUDGET - ($(date +%s) - t0) )) python3 benchmarks/device/sglang_cycle.py \
         --target $GGUF --drafter "$RUN/train/out/drafter" ${CYCLE_SMOLLM2_ARGS:-} --out "$RUN/cycle_smollm2" 2>&1 |
         grep "\[cycle\]\|\[bench\]\|Error\|error"
-      cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json"
+      cp "$RUN/cycle_smollm2/cycle.json" "$OUT/sglang_cycle_smollm2.json" ||
+        cp "$RUN/cycle_smollm2/cycle_partial.json" "$OUT/sglang_cycle_smollm2_partial.json"
     fi ;;
   generate)
     # sglang: the generate stage's engine (graphs up to generate.batch_size, that many requests running);

@@ -10,7 +10,8 @@ milliseconds per token, all at concurrency 1:
     # the Llama-3.1-8B shape with dummy weights and a seeded random drafter of its shape (tau ~1)
     python benchmarks/device/sglang_cycle.py --target random:eagle3_ray/resources/llama3.1-8b-shape.json --out $OUT/cycle_8b
 
-Writes ``<out>/cycle.json`` (the bench's results plus ``cycle``) and the bench's report beside it.
+Writes ``<out>/cycle.json`` (the bench's results plus ``cycle``) and the bench's report beside it; cut off
+(SIGINT, as ``timeout -s INT`` sends), ``<out>/cycle_partial.json``: the probe's parts of the modes that decoded.
 With a random drafter nothing is accepted, so the 8B figures are the cycle's cost, not its payoff:
 ``projected_speedup`` = tau x plain ms per token / ms per cycle for a given tau (``--tau``).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -69,6 +71,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     drafter = a.drafter or random_drafter(a.target, Path("/tmp") / f"cycle-drafter-{out.name}", a.draft_vocab)
     probe = Path("/tmp") / f"cycle-probe-{out.name}"
+    shutil.rmtree(probe, ignore_errors=True)  # a rerun's totals must not add an earlier run's
     hooks = [{"name": "e3r_cycle", "target_modules": ["lm_head"],
               "hook_factory": "benchmarks.device.sglang_cycle_probe:factory", "config": {"out": str(probe)}}]
     cfg = PipelineConfig.model_validate({
@@ -80,7 +83,18 @@ def main() -> int:
     })
     from eagle3_ray.bench.runner import run_bench
 
-    results = run_bench(cfg, drafter, out=out / "bench")
+    try:
+        results = run_bench(cfg, drafter, out=out / "bench")
+    except KeyboardInterrupt:  # cut off (timeout -s INT): keep the probe's parts of the modes that decoded
+        modes = {m: read_cycles(probe, topk=k) for m, k in (("chain", 1), ("tree", a.topk)) if m in a.modes}
+        (out / "cycle_partial.json").write_text(json.dumps({
+            "target": a.target, "drafter": drafter, "interrupted": True, "probe": modes,
+            "note": "the bench did not finish: its per-mode speeds are in its log; the probe's totals are written "
+                    "every 50 cycles, so the last few cycles of a mode may be missing"}, indent=1))
+        for m, parts in modes.items():
+            print(f"[cycle] {m} (interrupted): probe " + ", ".join(f"{k} {v:.2f} ms" for k, v in
+                                                              parts["ms_per_call"].items()), flush=True)
+        return 130
     s = results["sglang"]
     plain_ms = 1000 / s["modes"]["plain"]["1"]["tokens_per_s"]
     cycles = {}
