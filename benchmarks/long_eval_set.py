@@ -267,6 +267,31 @@ def split_conversation(tok, rec: dict, max_tokens: int) -> list[dict]:
             for k, (a, b) in enumerate(pieces)]
 
 
+# --- a fixed history ------------------------------------------------------------------------------
+
+
+def with_answers(records: list[dict], conversations: list[dict]) -> tuple[list[dict], int]:
+    """The evaluation set's records with ``"answers"``, the assistant replies of a generate stage's
+    answered conversations (matched by id: the record's question_id, a copy's ``#s<k>`` suffix ignored,
+    the first copy kept), so that every bench decodes the same turns after the same history. Returns the
+    records and how many got their answers; a record without its conversation, or with fewer replies than
+    it needs, is left without (the bench's baseline answers it)."""
+    answered: dict[str, list[str]] = {}
+    for c in conversations:
+        base = str(c.get("id", "")).split("#", 1)[0]
+        msgs = c.get("conversations") or c.get("messages") or []
+        answered.setdefault(base, [m["content"] for m in msgs if m.get("role") == "assistant"])
+    out, n = [], 0
+    for r in records:
+        replies = answered.get(str(r.get("question_id")))
+        turns = r["turns"]
+        if replies is not None and len(replies) >= len(turns) - 1 and all(a.strip() for a in replies[: len(turns)]):
+            r = {**r, "answers": replies[: len(turns)]}
+            n += 1
+        out.append(r)
+    return out, n
+
+
 # --- tau by context length ------------------------------------------------------------------------
 
 
@@ -382,6 +407,10 @@ def main(argv=None) -> int:
     h.add_argument("--out", required=True)
     h.add_argument("--every", type=int, default=2)
     h.add_argument("--categories", default=None, help="comma-separated buckets to keep (default: all), e.g. 8k")
+    y = sub.add_parser("history", help="the evaluation set with fixed answers (a generate stage's replies)")
+    y.add_argument("--input", required=True, help="the evaluation set (a build's JSONL)")
+    y.add_argument("--conversations", required=True, help="generate's conversations.jsonl over that set")
+    y.add_argument("--out", required=True)
     t = sub.add_parser("tau", help="tau by context length from bench stages' per-turn records")
     t.add_argument("--bench", nargs="+", required=True, help="bench stage --out dirs (with partial/)")
     t.add_argument("--labels", default=None, help="comma-separated names of the bench dirs")
@@ -413,6 +442,10 @@ def main(argv=None) -> int:
         Path(a.out).write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pieces), encoding="utf-8")
         print(json.dumps({"out": a.out, "conversations": n_in, "pieces": len(pieces), "over_max_tokens": over,
                           "max_tokens": a.max_tokens, "tokens": sum(p["tokens"] for p in pieces)}))
+    elif a.cmd == "history":
+        records, n = with_answers(list(_lines(Path(a.input))), list(_lines(Path(a.conversations))))
+        Path(a.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        print(json.dumps({"out": a.out, "records": len(records), "with_answers": n}))
     elif a.cmd == "thin":
         if a.every < 1:
             ap.error("--every >= 1")

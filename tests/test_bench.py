@@ -61,6 +61,8 @@ def test_single_turn_file_takes_category_from_stem(tmp_path):
         ('{"answer": "no prompt here"}', "has no prompt"),
         ('{"question_id": 1, "turns": ["again"]}', "duplicate prompt id '1'"),
         ('["a", "list"]', "not a JSON object"),
+        ('{"turns": ["a", "b", "c"], "answers": ["only one"]}', "'answers' must be a list of the replies"),
+        ('{"turns": ["a", "b"], "answers": ["fine", ""]}', "answers\\[1\\] must be a non-empty string"),
     ],
 )
 def test_bad_record_names_file_and_line(tmp_path, bad, message):
@@ -275,6 +277,34 @@ def test_the_audit_of_a_differing_turn(drafter_dir, monkeypatch):
     assert audit["replay_identical"] is True and audit["gap"] >= 0 and audit["explained"] is False
     assert "divergence" not in latest["tree"]
     assert forced_lengths == [3] and len(base) > 3  # positions 0..2, not the whole answer
+
+
+def test_fixed_answers_are_the_history_so_that_every_drafter_sees_the_same_turns(drafter_dir, tmp_path):
+    """A record's "answers" replace the baseline's replies in the history: the second turn's prompt is the
+    first turn, the given answer and the second turn, whatever the baseline said; the same record without
+    answers takes the baseline's reply."""
+    f = tmp_path / "fixed.jsonl"
+    turns = ["Write a haiku.", "Now a shorter one."]
+    f.write_text(json.dumps({"question_id": "f", "category": "writing", "turns": turns,
+                             "answers": ["Leaves fall in silence; the pond keeps every ring."]}) + "\n"
+                 + json.dumps({"question_id": "g", "category": "writing", "turns": turns}) + "\n")
+    sets = load_prompt_sets(f)
+    assert sets["writing"][0].answers == ["Leaves fall in silence; the pond keeps every ring."]
+    assert sets["writing"][1].answers is None
+    actor = BenchActor(TINY_TARGET, drafter_dir)
+    bench = BenchConfig(**{**TINY_BENCH, "modes": ["chain"], "prompt_lookup": False})
+    records = actor.run_category(sets["writing"], bench)
+    fixed = actor._render([{"role": "user", "content": turns[0]},
+                           {"role": "assistant", "content": sets["writing"][0].answers[0]},
+                           {"role": "user", "content": turns[1]}])
+    second = {(r["prompt_id"], r["turn"]): r["prompt_tokens"] for r in records["chain"]}
+    assert second[("f", 1)] == len(fixed)
+    base = actor.target.tokenizer.decode(actor._runners(bench)["baseline"](actor._render(
+        [{"role": "user", "content": turns[0]}]), bench.max_new_tokens)[0], skip_special_tokens=True)
+    assert second[("g", 1)] == len(actor._render([{"role": "user", "content": turns[0]},
+                                                   {"role": "assistant", "content": base},
+                                                   {"role": "user", "content": turns[1]}]))
+    assert second[("f", 1)] != second[("g", 1)]
 
 
 def test_run_bench_on_ray_resumes_from_partials(ray_local, drafter_dir, prompt_file, tmp_path):

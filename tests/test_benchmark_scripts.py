@@ -322,6 +322,20 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     assert [p["id"] for p in pieces] == [f"q7@p{k}#s1" for k in range(len(pieces))]
     assert [m for p in pieces for m in p["conversations"]] == convo["conversations"]
 
+    # history: a generate stage's replies become the records' fixed answers (matched by id; a copy's
+    # suffix ignored); a record without its conversation keeps none, and the bench reads them
+    answered = [{"id": f"{rows[0]['question_id']}#s1", "conversations": [
+        m for i, t in enumerate(rows[0]["turns"]) for m in ({"role": "user", "content": t},
+                                                           {"role": "assistant", "content": f"reply {i}"})]}]
+    (tmp_path / "conv.jsonl").write_text("".join(json.dumps(c) + "\n" for c in answered))
+    assert les.main(["history", "--input", str(out), "--conversations", str(tmp_path / "conv.jsonl"),
+                     "--out", str(tmp_path / "fixed.jsonl")]) == 0
+    fixed = [json.loads(line) for line in (tmp_path / "fixed.jsonl").read_text().splitlines()]
+    assert fixed[0]["answers"] == [f"reply {i}" for i in range(len(rows[0]["turns"]))]
+    assert all("answers" not in r for r in fixed[1:]) and [r["turns"] for r in fixed] == [r["turns"] for r in rows]
+    by_id = {p.id: p for ps in load_prompt_sets(str(tmp_path / "fixed.jsonl")).values() for p in ps}
+    assert by_id[str(rows[0]["question_id"])].answers == fixed[0]["answers"]
+
     # tau: two turns under 256 prompt tokens, one over
     bench = tmp_path / "bench"
     (bench / "partial").mkdir(parents=True)

@@ -112,6 +112,25 @@ def test_every_mode_answers_the_turns_plain_decoding_planned():
     assert section["num_turns"] == 5 and section["num_prompts"] == 3
 
 
+def test_fixed_answers_are_the_history_of_the_planned_turns():
+    """A conversation with fixed answers: the second turn's prompt holds the given answer, not the plain
+    engine's reply, and every mode decodes those turns."""
+    cfg = _cfg(concurrency=[1])
+    convs = {"writing": [("w1", ["Write a haiku.", "Now a longer one."], ["Quiet pond."])]}
+    plain = sb.run_mode(cfg, "plain", "/drafter", convs, factory=FakeSGLangEngine)
+    from eagle3_ray.data.chat import render_generation_prompt
+    from eagle3_ray.engines.describe import load_tokenizer
+
+    tok = load_tokenizer(cfg.target)
+    want = render_generation_prompt(tok, [{"role": "user", "content": "Write a haiku."},
+                                          {"role": "assistant", "content": "Quiet pond."},
+                                          {"role": "user", "content": "Now a longer one."}])
+    assert plain["turns"][1]["ids"] == want
+    assert sb.conversations_of({"writing": [Prompt("w1", "writing", ["a", "b"], answers=["x"])]}) == {
+        "writing": [("w1", ["a", "b"], ["x"])]}
+    assert sb.conversations_of({"writing": [Prompt("w2", "writing", ["a"])]}) == {"writing": [("w2", ["a"])]}
+
+
 def test_counters_give_tau_histogram_and_speedups():
     cfg = _cfg()
     section = sb.combine(_parts(cfg), cfg.bench.concurrency)

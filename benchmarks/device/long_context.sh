@@ -25,7 +25,7 @@
 #   tokens per piece (the system prompt and headers its pieces repeat).
 #
 #   After `source benchmarks/device/session.sh env` (base, gg1, gg2 done: packages, the GGUF, /tmp/gq):
-#   STEP=<data|long|short|both|bench-long|bench-short|bench-both|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
+#   STEP=<data|long|short|both|history|bench-long|bench-short|bench-both|tau> BUDGET=540 OUT=$OUT bash benchmarks/device/long_context.sh
 #   data        .gq/long_train.jsonl (training sets, 4 buckets to 8K, 256 tokens reserved per answer, every
 #               prompt once) and .gq/long_eval.jsonl (held-out sets, 6 per bucket, 128 reserved), and their halves
 #               .gq/long_{train,eval}_half.jsonl (every other conversation of each bucket: 375 conversations, 5,259
@@ -38,6 +38,9 @@
 #   tau         benchmarks/long_eval_set.py tau over both benches' per-turn records -> $OUT/long_context_tau.{json,md};
 #               on the CPU machine: unpack the two bench-<run>.tgz and pass BENCH_LONG=<dir> BENCH_SHORT=<dir>.
 #   bench-both  bench-long and bench-short at once in one call (their tau; neither's speed is a figure then).
+#   history     EVAL_DATA with fixed answers (the target's greedy replies from one generate stage, 128 tokens a
+#               turn, long_eval_set.py history) -> $RUN/eval_fixed.jsonl: benches given it as EVAL_DATA decode
+#               exactly the same turns (each bench's own baseline answers otherwise: bf16 parts at near-ties).
 #   both        long, and short started as soon as long's generate stage is written: the two runs train at once
 #               (each its own local Ray instance; one GPU, 16 CPUs), resumable like each alone.
 # A smoke of every step on the CPU machine (a few small conversations, short answers; nothing measured):
@@ -50,7 +53,7 @@
 #   tokens: split's JSON counts them as over_max_tokens; at 2048, 37 of .gq/long_train.jsonl's 10,539 turns
 #   are longer than 2,048 tokens with a 256-token answer, their prompts up to 6,299 tokens)
 set -uo pipefail
-: "${STEP:?STEP=data|long|short|both|bench-long|bench-short|bench-both|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
+: "${STEP:?STEP=data|long|short|both|history|bench-long|bench-short|bench-both|tau}" "${BUDGET:=540}" "${RUN:=/tmp/long_context}" \
   "${OUT:=/tmp/long_context-out}"
 mkdir -p "$RUN" "$OUT"
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -102,6 +105,15 @@ case "$STEP" in
     pipeline long "$TRAIN_DATA" > "$RUN/both-long.out" 2>&1 & lp=$!
     while [ ! -f "$RUN/long/generate/summary.json" ] && kill -0 $lp 2>/dev/null; do sleep 5; done
     short; wait $lp; cat "$RUN/both-long.out" ;;
+  history)  # the evaluation set with fixed answers: the target's greedy replies, generated once, are every
+    # bench's history (the benches otherwise each answer with their own baseline, which bf16 can part at a
+    # near-tie); then pass EVAL_DATA=$RUN/eval_fixed.jsonl to the benches
+    cli generate -c configs/smollm2-long.yaml --data "$EVAL_DATA" --out "$RUN/evalgen" target.model=$GGUF \
+      generate.max_new_tokens=128 generate.samples_per_prompt=1 generate.synthetic_prompts=0 "${EXTRA_ARGS[@]}" \
+      2>&1 | tail -n 5
+    python3 benchmarks/long_eval_set.py history --input "$EVAL_DATA" --out "$RUN/eval_fixed.jsonl" \
+      --conversations "$RUN/evalgen/conversations.jsonl" | tee "$OUT/eval_fixed.json"
+    cp "$RUN/eval_fixed.jsonl" "$OUT/" ;;
   bench-long) bench long ;;
   bench-short) bench short ;;
   bench-both)  # at once on the one GPU: tau is what this experiment reads, the speeds of either bench are not figures

@@ -38,6 +38,9 @@ class Prompt:
     category: str
     turns: list[str] = field(default_factory=list)  # user turns, answered one after the other
     set_name: str = ""  # the prompt set (bench.prompts entry) it comes from
+    # Fixed replies that become the history (a record's "answers"): reply i follows turn i instead of the
+    # baseline's own answer, so that benches of different drafters decode exactly the same turns.
+    answers: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,20 @@ def _to_prompt(raw: Any, stem: str, pos: int, where: str) -> Prompt:
     pid = next((raw[k] for k in ID_FIELDS if k in raw), f"{stem}-{pos}")
     if not isinstance(pid, (str, int)) or isinstance(pid, bool):
         raise DataError(f"{where}: the id must be a string or an integer, got {pid!r}")
-    return Prompt(str(pid), category, _turns(raw, where))
+    turns = _turns(raw, where)
+    return Prompt(str(pid), category, turns, answers=_answers(raw, len(turns), where))
+
+
+def _answers(raw: dict, turns: int, where: str) -> list[str] | None:
+    """A record's fixed history: ``"answers"``, one reply per turn but the last (which may be given too)."""
+    if "answers" not in raw:
+        return None
+    answers = raw["answers"]
+    if not isinstance(answers, list) or not turns - 1 <= len(answers) <= turns:
+        raise DataError(f"{where}: 'answers' must be a list of the replies that follow each turn: {turns - 1} or "
+                        f"{turns} strings for its {turns} turns, got {answers!r:.80}; fix it or drop the field (the "
+                        "bench's baseline then answers)")
+    return [_text(a, f"answers[{i}]", where) for i, a in enumerate(answers)]
 
 
 def _turns(raw: dict, where: str) -> list[str]:

@@ -124,7 +124,10 @@ class BenchActor:
                     )
                 if bench.temperature == 0:
                     self._audit(ids, outputs, {kind: recs[-1] for kind, recs in records.items()}, bench)
-                reply = self.target.tokenizer.decode(outputs["baseline"], skip_special_tokens=True)
+                if prompt.answers is not None and turn < len(prompt.answers):  # a fixed history
+                    reply = prompt.answers[turn]
+                else:
+                    reply = self.target.tokenizer.decode(outputs["baseline"], skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": reply})
         return records
 
@@ -466,7 +469,7 @@ def _partial_key(cfg: PipelineConfig, drafter_dir: str, compare_untrained: bool,
         "target": config_to_dict(cfg)["target"],
         "drafter": [drafter_dir, stamp],
         "untrained": compare_untrained,
-        "prompts": [[p.id, p.turns] for p in prompts],
+        "prompts": [[p.id, p.turns] + ([p.answers] if p.answers is not None else []) for p in prompts],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -116,18 +116,20 @@ class Served:
 def plan_turns(
     served: Served,
     sampling: dict[str, Any],
-    conversations: dict[str, list[tuple[str, list[str]]]],
+    conversations: dict[str, list[tuple]],
     render: Callable[[list[dict[str, str]]], list[int]],
     decode: Callable[[list[int]], str],
 ) -> tuple[list[TurnPrompt], list[dict[str, Any]]]:
     """Plain decoding at concurrency 1, conversation by conversation, each reply the next turn's
-    history. Returns every turn's prompt and its record (the plain concurrency-1 measurement)."""
+    history (or the conversation's fixed answers, where it has them). Returns every turn's prompt and
+    its record (the plain concurrency-1 measurement)."""
     turns: list[TurnPrompt] = []
     records: list[dict[str, Any]] = []
     total = sum(len(convs) for convs in conversations.values())
     began = time.perf_counter()
     for category, convs in conversations.items():
-        for prompt_id, texts in convs:
+        for prompt_id, texts, *fixed in convs:
+            answers = fixed[0] if fixed else []
             messages: list[dict[str, str]] = []
             for turn, text in enumerate(texts):
                 messages.append({"role": "user", "content": text})
@@ -135,7 +137,8 @@ def plan_turns(
                 (record,), _ = served.serve([ids], sampling, 1, "c1")
                 turns.append(TurnPrompt(category, prompt_id, turn, ids))
                 records.append(record)
-                messages.append({"role": "assistant", "content": decode(record["output_ids"])})
+                reply = answers[turn] if turn < len(answers) else decode(record["output_ids"])
+                messages.append({"role": "assistant", "content": reply})
             done = len({(t.category, t.prompt_id) for t in turns})
             if done % PROGRESS_EVERY == 0 or done == total:
                 tokens = sum(r["completion_tokens"] for r in records)
@@ -216,7 +219,7 @@ def run_mode(
     cfg: PipelineConfig,
     mode: str,
     drafter_dir: str,
-    conversations: dict[str, list[tuple[str, list[str]]]] | None = None,
+    conversations: dict[str, list[tuple]] | None = None,
     turns: list[TurnPrompt] | None = None,
     factory: EngineFactory | None = None,
 ) -> dict[str, Any]:
@@ -284,8 +287,8 @@ def _device_name() -> str:
     return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cuda"
 
 
-def _first_text(conversations: dict[str, list[tuple[str, list[str]]]] | None) -> str:
-    return next(texts[0] for convs in (conversations or {}).values() for _, texts in convs)
+def _first_text(conversations: dict[str, list[tuple]] | None) -> str:
+    return next(conv[1][0] for convs in (conversations or {}).values() for conv in convs)
 
 
 def combine(parts: dict[str, dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
@@ -361,9 +364,11 @@ def summary_keys(section: dict[str, Any], hf_tau: dict[str, float | None] | None
     return keys
 
 
-def conversations_of(prompt_sets: dict[str, list[Any]]) -> dict[str, list[tuple[str, list[str]]]]:
-    """``{category: [Prompt]}`` as plain data for a Ray task: ``{category: [(id, turns)]}``."""
-    return {cat: [(p.id, list(p.turns)) for p in prompts] for cat, prompts in prompt_sets.items()}
+def conversations_of(prompt_sets: dict[str, list[Any]]) -> dict[str, list[tuple]]:
+    """``{category: [Prompt]}`` as plain data for a Ray task: ``{category: [(id, turns)]}``, and
+    ``(id, turns, answers)`` for a prompt with a fixed history."""
+    return {cat: [(p.id, list(p.turns)) + ((list(p.answers),) if p.answers is not None else ()) for p in prompts]
+            for cat, prompts in prompt_sets.items()}
 
 
 def modes_to_run(bench: BenchConfig) -> list[str]:
