@@ -9,7 +9,7 @@
 #   --categories 8k: 3 conversations, 92 turns), then copy its partial/*.json beside the committed benches'
 #   (benchmarks/results/long_context_bench_*_h100.tgz) and run STEP=tau on both directories.
 # Every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
-# both, the two runs at once, 144 s).
+# both, the two runs at once, 144 s; history 33 s, and a bench on its output decoded every turn after the fixed replies).
 #
 #   long   configs/smollm2-long.yaml (data.max_length 8192) on long multi-turn prompts that the target
 #          answers turn by turn: each conversation is one sample, up to SmolLM2's 8,192-token window.
