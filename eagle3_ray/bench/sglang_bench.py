@@ -8,8 +8,9 @@ each with CUDA graphs unless ``bench.cuda_graphs`` is false: ``plain`` (``engine
 The turns: the plain engine answers every conversation turn by turn at concurrency 1, its own
 replies becoming the history (``plan_turns``; a prompt's fixed ``answers`` instead, where it has
 them). That fixes every turn's prompt ids; every other measurement (plain at higher concurrency,
-chain and tree at every concurrency) answers exactly those prompts, so all modes decode the same turns. At concurrency c the prompts are sent with at
-most c requests in flight (``serve``), as a server sees c users.
+chain and tree at every concurrency) answers exactly those prompts, so all modes decode the same
+turns. At concurrency c the prompts are sent with at most c requests in flight (``serve``), as a
+server sees c users.
 
 Counted from SGLang's own per-request counters (``meta_info``): ``completion_tokens``,
 ``spec_verify_ct`` (target verify forwards) and ``spec_correct_drafts_histogram`` (verify steps that
