@@ -335,8 +335,8 @@ def _turns(bench_dir: Path, kind: str) -> dict[tuple[str, int], dict]:
 def paired(first: Path, second: Path, edges: list[int], kind: str = "chain", draws: int = 2000,
            seed: int = 0) -> dict[str, Any]:
     """Two benches of the same evaluation set, turn by turn: the pooled tau of the turns both measured
-    (weighted by verify steps, as the bench pools it), first minus second, overall and per bucket of the first's prompt tokens,
-    with a 95% bootstrap interval over the turns (``draws`` resamples, seeded); ``same_prompt``: the turns
+    (the bench's own pooling, `bench.runner.aggregate`), first minus second, overall and per bucket of the
+    first's prompt tokens, with a 95% bootstrap interval over the turns (``draws`` resamples, seeded); ``same_prompt``: the turns
     whose prompts have the same length in both (each bench answers the history with its own greedy
     baseline, and bf16 decoding can part at a near-tie, so later turns may differ in text)."""
     a, b = _turns(first, kind), _turns(second, kind)
@@ -345,9 +345,10 @@ def paired(first: Path, second: Path, edges: list[int], kind: str = "chain", dra
         raise SystemExit(f"{first} and {second} share no {kind} turn to compare")
     names = bucket_names(edges)
 
-    def pooled(recs: dict, ks: list) -> float:  # the bench's pooling (bench.runner.aggregate): tau weighted by steps
-        steps = [(recs[k]["stats"]["tau"], recs[k]["stats"]["verify_steps"]) for k in ks]
-        return sum(t * n for t, n in steps) / max(sum(n for _, n in steps), 1)
+    from eagle3_ray.bench.runner import aggregate
+
+    def pooled(recs: dict, ks: list) -> float:
+        return aggregate([recs[k] for k in ks])["tau"]
 
     rng = random.Random(seed)
 
