@@ -2,12 +2,12 @@
 # Does training on long samples pay on long turns? Two SmolLM2 drafters trained on the same answers, then
 # benched on the same long conversations, tau by the context length of each turn. Run on one H100 on 2026-12-07
 # with the halves of the sets (record long_context_tau):
-#   STEP=both TRAIN_DATA=.gq/long_train_half.jsonl (343 s), then STEP=bench-both EVAL_DATA=.gq/long_eval_half.jsonl
-#   BUDGET=520 and again BUDGET=195 (the 8K conversations unfinished), then STEP=tau on the CPU machine.
-#   To finish the 6-8K turns on a fresh machine: carry .drafter-long/ and .drafter-short/ (the drafters that run
-#   returned), STEP=bench-both EVAL_DATA=.gq/long_eval_half_8k.jsonl (long_eval_set.py thin --every 2
-#   --categories 8k: 3 conversations, 92 turns), then copy its partial/*.json beside the committed benches'
-#   (benchmarks/results/long_context_bench_*_h100.tgz) and run STEP=tau on both directories.
+#   STEP=both TRAIN_DATA=.gq/long_train_half.jsonl (343 s; the drafters come back as drafter-<run>.tgz.part-*).
+#   Then, on a fresh machine with .drafter-long/ and .drafter-short/ carried (those parts) and RUN=/tmp/lcf:
+#   STEP=history EVAL_DATA=.gq/long_eval_half.jsonl (55 s), STEP=bench-both EVAL_DATA=/tmp/lcf/eval_fixed.jsonl
+#   BUDGET=520 and again BUDGET=380 (resumed at the 8K conversations: 265 s), then STEP=tau on the CPU machine.
+#   A fresh RUN keeps an earlier bench's records apart: a bench on another set measures each category again
+#   (its partial's key holds the prompts and answers) and writes over that category's file.
 # Every step ran on the CPU machine as the smoke below (2026-12-07: long 117 s, short 52 s, bench-both 151 s, tau;
 # both, the two runs at once, 144 s; history 33 s, and a bench on its output decoded every turn after the fixed replies).
 #
