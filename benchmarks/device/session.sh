@@ -9,7 +9,9 @@
 #   .sgl  bash ../shared/device/make-sglang-wheelhouse.sh   (SGLang 0.5.17, three pieces)
 #   .gq   benchmarks/train_prompts.py --out .gq/train_prompts.jsonl (the sixth product run's: --max-gsm8k
 #         2000 --out .gq/train_prompts_g2k.jsonl); cp ../shared/data/{mt_bench,gsm8k_test,humaneval,spec_bench}.jsonl .gq/
-# Each call: `source benchmarks/device/session.sh <step>`, then its work:
+# Each call: `source benchmarks/device/session.sh <step>`, then its work. A call carries at most 64 MiB with
+# the tracked tree (about 7 MB since 2026-12-07): name only the .gq files a call needs beside .gg/part-ab,
+# and carry .drafter with the call that uses it, not with sgl3 (each combination passed 64 MiB).
 #   base  (carry .whl)            the project's packages -> /tmp/base; PYTHONPATH=/tmp/base:$PWD
 #         Or in two halves that ride along other payload calls (.whl is 50 MB, 44 of them Ray's wheel):
 #   wm    (carry .wm: .whl less Ray, 5.5 MB) pydantic -> /tmp/pmin (enough for benchmarks/train_step.py and
