@@ -198,11 +198,15 @@ def _sglang_limits(eng) -> dict:
     inner = getattr(eng, "_engine", None)
     tm = getattr(inner, "tokenizer_manager", None)
     out = {"context_len": getattr(tm, "context_len", None), "max_req_input_len": getattr(tm, "max_req_input_len", None)}
+    # Read directly, not through Engine.get_server_info: that runs the engine's event loop, which is
+    # already running in the product's engine ("this event loop is already running", 2026-12-07)
     try:
-        info = inner.get_server_info()
+        args = vars(inner.server_args)
+        infos = getattr(getattr(inner, "_scheduler_init_result", None), "scheduler_infos", None) or [{}]
+        info = {**args, **infos[0]}
         out.update({k: info.get(k) for k in ("max_total_num_tokens", "max_prefill_tokens", "chunked_prefill_size",
                                              "mem_fraction_static", "context_length")})
-    except Exception as e:  # noqa: BLE001  (a version without it)
+    except Exception as e:  # noqa: BLE001  (a version without these attributes)
         out["server_info_error"] = repr(e)[:300]
     return out
 
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
             continue
         args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--part", part]
         try:
-            rc = subprocess.run(args, timeout=a.part_timeout).returncode
+            rc = subprocess.run(args, timeout=a.part_timeout, check=False).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         f = out / f"long_capture_{part}.json"
