@@ -300,6 +300,11 @@ def bucket_names(edges: list[int]) -> list[str]:
             f">={_label(edges[-1])}"]
 
 
+def bucket_of(prompt_tokens: int, edges: list[int]) -> int:
+    """The index in `bucket_names` of a turn with that many prompt tokens."""
+    return sum(prompt_tokens >= e for e in edges)
+
+
 def tau_by_length(bench_dir: Path, edges: list[int]) -> dict[str, dict[str, Any]]:
     """{kind: {bucket: aggregate}} over every turn of the bench's partial records, by prompt tokens."""
     from eagle3_ray.bench.runner import aggregate
@@ -312,8 +317,7 @@ def tau_by_length(bench_dir: Path, edges: list[int]) -> dict[str, dict[str, Any]
     for f in files:
         for kind, recs in json.loads(f.read_text())["records"].items():
             for r in recs:
-                at = sum(r["prompt_tokens"] >= e for e in edges)
-                pooled.setdefault(kind, {}).setdefault(names[at], []).append(r)
+                pooled.setdefault(kind, {}).setdefault(names[bucket_of(r["prompt_tokens"], edges)], []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for kind, by in pooled.items():
         out[kind] = {}
@@ -336,9 +340,10 @@ def paired(first: Path, second: Path, edges: list[int], kind: str = "chain", dra
            seed: int = 0) -> dict[str, Any]:
     """Two benches of the same evaluation set, turn by turn: the pooled tau of the turns both measured
     (the bench's own pooling, `bench.runner.aggregate`), first minus second, overall and per bucket of the
-    first's prompt tokens, with a 95% bootstrap interval over the turns (``draws`` resamples, seeded); ``same_prompt``: the turns
-    whose prompts have the same length in both (each bench answers the history with its own greedy
-    baseline, and bf16 decoding can part at a near-tie, so later turns may differ in text)."""
+    first's prompt tokens, with a 95% bootstrap interval over the turns (``draws`` resamples, seeded);
+    ``same_prompt``: the turns whose prompts have the same length in both (a bench without fixed answers
+    answers the history with its own greedy baseline, and bf16 decoding can part at a near-tie, so later
+    turns may differ in text)."""
     a, b = _turns(first, kind), _turns(second, kind)
     keys = sorted(set(a) & set(b))
     if not keys:
@@ -354,14 +359,15 @@ def paired(first: Path, second: Path, edges: list[int], kind: str = "chain", dra
 
     def compare(ks: list) -> dict[str, Any]:
         diffs = sorted(pooled(a, d) - pooled(b, d) for d in ([rng.choice(ks) for _ in ks] for _ in range(draws)))
-        return {"turns": len(ks), "first": pooled(a, ks), "second": pooled(b, ks), "diff": pooled(a, ks) - pooled(b, ks),
+        first, second = pooled(a, ks), pooled(b, ks)
+        return {"turns": len(ks), "first": first, "second": second, "diff": first - second,
                 "ci95": [diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]],
                 "max_prompt_tokens": max(a[k]["prompt_tokens"] for k in ks)}
 
     out: dict[str, Any] = {"mode": kind, "all": compare(keys), "by_bucket": {},
                            "same_prompt": sum(a[k]["prompt_tokens"] == b[k]["prompt_tokens"] for k in keys)}
     for i, name in enumerate(names):
-        ks = [k for k in keys if sum(a[k]["prompt_tokens"] >= e for e in edges) == i]
+        ks = [k for k in keys if bucket_of(a[k]["prompt_tokens"], edges) == i]
         if ks:
             out["by_bucket"][name] = compare(ks)
     return out

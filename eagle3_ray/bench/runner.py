@@ -4,9 +4,9 @@ Per turn of every prompt, on the same prompt tokens and in the same process: pla
 (the baseline), each speculative mode of ``bench.modes`` (chain, tree), prompt lookup (a
 drafter-free peer) and, on request, chain mode with an untrained drafter. Multi-turn prompts carry
 the baseline's answer into the next turn (or the record's fixed ``answers``, the same for every bench
-run), so every mode sees exactly the same prompts even when sampling. At temperature 0 every turn that differs from the baseline is audited
-(``bench.audit``: first differing position, the baseline's top-2 logit gap there, whether rounding
-explains it). ``docs/bench.md`` defines what is measured.
+run), so every mode sees exactly the same prompts even when sampling. At temperature 0 every turn
+that differs from the baseline is audited (``bench.audit``: first differing position, the
+baseline's top-2 logit gap there, whether rounding explains it). ``docs/bench.md`` defines what is measured.
 
 ``BenchActor`` is a plain class (in-process in tests); ``run_bench`` runs it as a Ray actor, writes
 each category's raw per-turn stats to ``<out>/partial/`` as it completes (a rerun computes only the

@@ -404,7 +404,8 @@ def ttt_forward(
                          "rank), and a group only on shards")
     if shard is not None and (attention not in ("sdpa", "varlen") or batch["seq_ids"].shape[0] != 1):
         raise ValueError(f"context parallelism runs one packed row with sdpa or varlen attention; got "
-                         f"attention={attention!r}, {batch['seq_ids'].shape[0]} rows (set train.attention=sdpa or varlen)")
+                         f"attention={attention!r}, {batch['seq_ids'].shape[0]} rows "
+                         "(set train.attention=sdpa or varlen)")
     if attention == "flex":
         batch = _pad_batch(batch, FLEX_BLOCK, pad_to)
     elif row_tokens and attention == "sdpa" and shard is None:
