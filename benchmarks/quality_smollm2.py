@@ -306,7 +306,7 @@ def eval_sets(eval_dir: Path, per_set: int) -> dict[str, list[list[str]]]:
 
 def hf_generate(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
     """The baseline: transformers ``generate``, greedy, batch 1, default (dynamic) cache."""
-    from eagle3_ray.spec.stats import Stopwatch
+    from eagle3_ray.decode.stats import Stopwatch
 
     dev = model.get_input_embeddings().weight.device
     eos = model.generation_config.eos_token_id
@@ -331,7 +331,7 @@ def evaluate(model, tok, drafter, sets, a, on_set) -> dict:
     (preallocated cache, CUDA graphs; the default), and for the first ``--eager-turns`` turns also on
     the plain DynamicCache path (``*_eager``) to show what the graphs buy.
     """
-    import eagle3_ray.spec as spec
+    import eagle3_ray.decode as spec
     from eagle3_ray.data.chat import render_generation_prompt
 
     static = spec.StaticTarget(model, drafter.config.aux_layers, max_length=a.max_length + a.eval_new_tokens + 64,

@@ -9,7 +9,7 @@ tree decoding, and their speedups over target-only, all measured in one run on t
 Prompts are the first turn of each record of an MT-bench-style JSONL (``turns``), rendered with the
 tokenizer's chat template when it has one. Batch size 1, greedy unless --temperature > 0. At
 temperature 0 the chain and tree outputs are checked token for token against target-only.
-Aggregate tau = tokens from verify steps / verify steps over all prompts (docs/spec.md).
+Aggregate tau = tokens from verify steps / verify steps over all prompts (docs/decode.md).
 ``--static`` decodes target-only, chain and tree through one StaticTarget (CUDA graphs on CUDA),
 drafting through its graphed StaticProposer unless ``--eager-draft``; ``ms_per_cycle`` splits a
 verify cycle into its parts (SpecStats.parts).
@@ -31,7 +31,7 @@ from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.engines.base import default_aux_layers
 from eagle3_ray.engines.targets import load_target
 from eagle3_ray.errors import DataError
-from eagle3_ray.spec import SpecStats, StaticTarget, generate, prompt_lookup_generate, target_generate
+from eagle3_ray.decode import SpecStats, StaticTarget, generate, prompt_lookup_generate, target_generate
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "eagle3_ray" / "resources" / "demo_eval.jsonl"
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     mismatch = [n for n, r in results.items() if r.get("matches_target") is False]
     if mismatch and target.dtype != torch.float32:
         print(f"{mismatch} differ from target-only: in {target.dtype} exact logit ties can flip a greedy token "
-              "(docs/spec.md); rerun with --dtype float32 to check losslessness")
+              "(docs/decode.md); rerun with --dtype float32 to check losslessness")
         return 0
     return 1 if mismatch else 0
 

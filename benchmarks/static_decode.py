@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile one run of this mode (e.g. chain_static) into --out.prof.txt")
     a = ap.parse_args(argv)
 
-    import eagle3_ray.spec as spec
+    import eagle3_ray.decode as spec
     from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 
     dev = torch.device(a.device)

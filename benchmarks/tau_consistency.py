@@ -146,7 +146,7 @@ def sim_tau(accs: list[float]) -> float:
 
 
 def measure(engine, drafter, proposer, prompt: list[int], a_args) -> dict:
-    import eagle3_ray.spec as spec
+    import eagle3_ray.decode as spec
     from eagle3_ray.drafter.ttt import target_distribution, ttt_forward
 
     model, k, m = engine.target.model, a_args.num_steps, a_args.max_new_tokens
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     t_start, load_start = time.perf_counter(), os.getloadavg()[0]
 
-    import eagle3_ray.spec as spec
+    import eagle3_ray.decode as spec
     from eagle3_ray.config import TargetConfig
     from eagle3_ray.data.chat import render_generation_prompt
     from eagle3_ray.drafter.export import load_drafter

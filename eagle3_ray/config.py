@@ -339,11 +339,11 @@ class BenchConfig(_Section):
     )
     cuda_graphs: bool = Field(
         True, description="On CUDA, decode (baseline included) through a StaticTarget: preallocated KV cache "
-        "and CUDA graphs per verify width (docs/spec.md). Off CUDA it has no effect."
+        "and CUDA graphs per verify width (docs/decode.md). Off CUDA it has no effect."
     )
     draft_graphs: bool = Field(
         True, description="With cuda_graphs on CUDA, the drafter too runs on a static KV cache with CUDA-graphed "
-        "chain/tree steps (spec.StaticProposer); false drafts eagerly (the reference path, for comparison)."
+        "chain/tree steps (decode.StaticProposer); false drafts eagerly (the reference path, for comparison)."
     )
     max_length: int = Field(8192, ge=16, description="Longest prompt + new tokens of a StaticTarget generation.")
     engine: Literal["auto", "hf", "sglang", "both"] = Field(

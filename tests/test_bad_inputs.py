@@ -181,7 +181,7 @@ def _truncated_weights(tmp: Path) -> list[str]:
 def _drafter_for_other_target(tmp: Path) -> None:
     from eagle3_ray.drafter.model import Eagle3Drafter
     from eagle3_ray.engines.targets import load_target
-    from eagle3_ray.spec import prepare_drafter
+    from eagle3_ray.decode import prepare_drafter
 
     target = load_target(load_config(CI_CONFIG).target, device="cpu")
     prepare_drafter(Eagle3Drafter(_drafter_config(target_hidden=96)), target.model)

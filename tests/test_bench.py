@@ -255,16 +255,16 @@ def test_the_audit_of_a_differing_turn(drafter_dir, monkeypatch):
     """The actor's audit on the real tiny target (fp32): a turn that differs where the baseline's
     top-2 gap is far over fp32 rounding is reported as unexplained, at the right position; the
     teacher-forced replay stops at the last first difference."""
-    from eagle3_ray import spec
+    from eagle3_ray import decode
 
     forced_lengths = []
-    real_top2 = spec.target_top2
+    real_top2 = decode.target_top2
 
     def recording_top2(*args, forced=None, **kw):
         forced_lengths.append(len(forced))
         return real_top2(*args, forced=forced, **kw)
 
-    monkeypatch.setattr(spec, "target_top2", recording_top2)
+    monkeypatch.setattr(decode, "target_top2", recording_top2)
     actor = BenchActor(TINY_TARGET, drafter_dir)
     bench = BenchConfig(**TINY_BENCH)
     ids = actor._render([{"role": "user", "content": "Write a haiku."}])

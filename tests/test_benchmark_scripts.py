@@ -2,7 +2,7 @@
 benchmarks/README.md; each Python script answers --help (or, with no command line, imports); each
 shell script parses (bash -n); each override file loads with the preset it is run with; and the
 scripts that have a run of a few seconds on a CPU do that run, through the product's own entry
-points (TrainStep, spec.generate, BenchActor, the pack loader, the capture writer). None starts Ray.
+points (TrainStep, decode.generate, BenchActor, the pack loader, the capture writer). None starts Ray.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def test_only_decoding_caches_run_attention_without_cudnn(drafter):
     GQA attention fell back to the math kernel (8B-shaped step 18.9K -> 7.2K tokens/s on an H200).
     The backend flags are process-wide, so a CUDA device object shows the choice on any build."""
     from eagle3_ray.drafter.model import attention_backends
-    from eagle3_ray.spec.chain import Eagle3Proposer
+    from eagle3_ray.decode.chain import Eagle3Proposer
 
     cuda = torch.device("cuda")
     assert torch.backends.cuda.cudnn_sdp_enabled()

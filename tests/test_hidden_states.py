@@ -28,8 +28,8 @@ import json, sys
 import torch, transformers
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.hf import HFEngine
-from eagle3_ray.spec.static import StaticTarget
-from eagle3_ray.spec.target import TargetRunner
+from eagle3_ray.decode.static import StaticTarget
+from eagle3_ray.decode.target import TargetRunner
 
 aux = json.loads(sys.argv[1])
 eng = HFEngine(TargetConfig(model="random:builtin:tiny-llama", aux_layers=aux, dtype="float32"), device="cpu")

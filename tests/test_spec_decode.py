@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3_ray.drafter.model import DrafterConfig, DrafterKVCache, Eagle3Drafter
 from eagle3_ray.drafter.ttt import ttt_attention_mask
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec import (
+from eagle3_ray.decode import (
     Draft,
     DraftTree,
     Eagle3Proposer,
@@ -22,7 +22,7 @@ from eagle3_ray.spec import (
     prompt_lookup_generate,
     target_generate,
 )
-from eagle3_ray.spec.sampling import Sampling, probs, verify_chain, verify_children
+from eagle3_ray.decode.sampling import Sampling, probs, verify_chain, verify_children
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec import (
+from eagle3_ray.decode import (
     Eagle3Proposer,
     StaticProposer,
     StaticTarget,
@@ -24,9 +24,9 @@ from eagle3_ray.spec import (
     target_generate,
     target_top2,
 )
-from eagle3_ray.spec.sampling import Sampling, make_sampling
-from eagle3_ray.spec.static import DRAFT_HEADROOM, StaticRunner
-from eagle3_ray.spec.tree import select_nodes
+from eagle3_ray.decode.sampling import Sampling, make_sampling
+from eagle3_ray.decode.static import DRAFT_HEADROOM, StaticRunner
+from eagle3_ray.decode.tree import select_nodes
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -343,8 +343,8 @@ class FakeGraph:
 
 def _use_fake_graphs(monkeypatch, module=None) -> list[FakeGraph]:
     """FakeGraph for every capture of ``module`` (the drafter's, static_draft, by default; the
-    target's is eagle3_ray.spec.static); returns the graphs as they are captured."""
-    import eagle3_ray.spec.static_draft as static_draft
+    target's is eagle3_ray.decode.static); returns the graphs as they are captured."""
+    import eagle3_ray.decode.static_draft as static_draft
 
     graphs: list[FakeGraph] = []
 
@@ -438,7 +438,7 @@ def test_target_graphs_per_span_and_capture_spans(tiny, monkeypatch):
     """The (width, span) graph plumbing with FakeGraph standing in for CUDA: the same tokens as
     the eager path, one graph per width and span met, ``capture_spans`` adds every span of those
     widths without changing what the storage holds."""
-    import eagle3_ray.spec.static as static_mod
+    import eagle3_ray.decode.static as static_mod
 
     graphs = _use_fake_graphs(monkeypatch, static_mod)
     target, drafter = tiny
@@ -484,8 +484,8 @@ def test_eager_forwards_run_without_cudnn_attention(tiny, monkeypatch):
     meets a prompt length first (the bench's baseline and chain prefills: 65-67 ms a turn vs 31)."""
     import contextlib
 
-    from eagle3_ray.spec import static as static_mod
-    from eagle3_ray.spec import static_draft
+    from eagle3_ray.decode import static as static_mod
+    from eagle3_ray.decode import static_draft
 
     entered = []
 
@@ -546,7 +546,7 @@ def test_chunked_prefill_through_graphs_shared_with_a_verify(tiny, forward_width
     """With FakeGraph standing in for CUDA: the prompt's chunks replay the graph of their width,
     also when a tree's verify of the same width has left its depths and mask in that graph's
     buffers; a padded prompt over ``max_length`` runs as one eager forward instead."""
-    import eagle3_ray.spec.static as static_mod
+    import eagle3_ray.decode.static as static_mod
 
     graphs = _use_fake_graphs(monkeypatch, static_mod)
     target, drafter = tiny

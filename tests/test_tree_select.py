@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_ray.spec.sampling import Sampling
-from eagle3_ray.spec.drafts import DraftTree, tree_layout
-from eagle3_ray.spec.tree import accept_greedy, accept_path, eagle2_depths, select_nodes
+from eagle3_ray.decode.sampling import Sampling
+from eagle3_ray.decode.drafts import DraftTree, tree_layout
+from eagle3_ray.decode.tree import accept_greedy, accept_path, eagle2_depths, select_nodes
 
 
 def _reference_select(tokens, scores, parents, total_tokens):

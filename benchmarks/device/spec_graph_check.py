@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/sh
 from shapes import random_llama  # noqa: E402
 
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3_ray.spec import StaticTarget, generate, prepare_drafter, target_generate  # noqa: E402
+from eagle3_ray.decode import StaticTarget, generate, prepare_drafter, target_generate  # noqa: E402
 
 MODES = [("chain", {"num_steps": 3}), ("tree", {"topk": 8, "depth": 6, "total_tokens": 48})]
 

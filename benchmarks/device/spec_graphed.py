@@ -97,7 +97,7 @@ def verify_sweep(a, target_cfg, out: Path) -> int:
     from eagle3_ray.config import BenchConfig
     from eagle3_ray.engines.base import default_aux_layers
     from eagle3_ray.engines.targets import load_target
-    from eagle3_ray.spec import StaticTarget
+    from eagle3_ray.decode import StaticTarget
 
     target = load_target(target_cfg)
     model, dev = target.model, target.device

@@ -39,8 +39,8 @@ WARMUP_TOKENS = 16  # enough to run every code path (prefill, drafting, verify) 
 UNTRAINED_SEED = 0
 SAMPLING_SEED = 0
 PROMPT_LOOKUP_TOKENS = 10  # transformers' usual prompt_lookup_num_tokens
-SPEC_KINDS = ("chain", "tree", "untrained")  # decoded by spec.generate; counted in the summary's divergences
-PARTS = ("prefill", "draft", "verify", "accept", "commit")  # spec.stats: SpecStats.parts
+SPEC_KINDS = ("chain", "tree", "untrained")  # decoded by decode.generate; counted in the summary's divergences
+PARTS = ("prefill", "draft", "verify", "accept", "commit")  # decode.stats: SpecStats.parts
 
 # Runner: (prompt ids [T], max_new_tokens) -> (new token ids, stats dict)
 Runner = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
@@ -52,7 +52,7 @@ class BenchActor:
     def __init__(self, target_cfg: TargetConfig, drafter_dir: str, compare_untrained: bool = False):
         from eagle3_ray.drafter import load_drafter
         from eagle3_ray.engines.targets import load_target
-        from eagle3_ray.spec import prepare_drafter
+        from eagle3_ray.decode import prepare_drafter
 
         target_cfg = TargetConfig.model_validate(target_cfg)  # the section as is; a dict (notebooks) is validated
         # A failure here ends the benchmark at once (EngineStartError, not retried): see errors.engine_start.
@@ -79,7 +79,7 @@ class BenchActor:
             self.info.update(graphed_baseline=False, draft_graphs=False)
             return self.target.model
         if self._static is None or self._static.max_length != b.max_length:
-            from eagle3_ray.spec import StaticTarget
+            from eagle3_ray.decode import StaticTarget
 
             self._static = StaticTarget(self.target.model, self.drafter.config.aux_layers, max_length=b.max_length)
             self.info["static_target"] = (f"CUDA graphs {self._static.cuda_graphs}, max_length {b.max_length}, "
@@ -136,7 +136,7 @@ class BenchActor:
         """Audit this turn's greedy outputs that differ from the baseline's (after every timed run)."""
         if all(tokens == outputs["baseline"] for tokens in outputs.values()):
             return
-        from eagle3_ray import spec
+        from eagle3_ray import decode
 
         baseline = outputs["baseline"]
         prompt = torch.tensor(ids, device=self.target.device)
@@ -145,7 +145,7 @@ class BenchActor:
         # far as the last first difference: no audit reads a later position.
         upto = max(first_difference(baseline, t) for t in outputs.values() if t != baseline) + 1
         forced = baseline[:upto]
-        replay, top2 = spec.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens, forced=forced)
+        replay, top2 = decode.target_top2(self._decoding_target(bench), prompt, bench.max_new_tokens, forced=forced)
         for kind, tokens in outputs.items():
             if tokens != baseline:
                 audit = audit_turn(baseline, tokens, top2, self.target.dtype)
@@ -169,7 +169,7 @@ class BenchActor:
 
     def _runners(self, b: BenchConfig) -> dict[str, Runner]:
         """Every decoding to time, baseline first; all share temperature and seed."""
-        from eagle3_ray import spec
+        from eagle3_ray import decode
 
         model = self.target.model
         decoding = self._decoding_target(b)  # every mode but prompt lookup (transformers' generate)
@@ -184,20 +184,20 @@ class BenchActor:
 
             return run
 
-        runners = {"baseline": bind(spec.target_generate, **sampling)}
+        runners = {"baseline": bind(decode.target_generate, **sampling)}
         for mode in b.modes:
-            runners[mode] = bind(spec.generate, self.drafter, **(chain if mode == "chain" else tree))
+            runners[mode] = bind(decode.generate, self.drafter, **(chain if mode == "chain" else tree))
         if b.prompt_lookup:
-            runners["prompt_lookup"] = bind(spec.prompt_lookup_generate, target=model, num_tokens=PROMPT_LOOKUP_TOKENS)
+            runners["prompt_lookup"] = bind(decode.prompt_lookup_generate, target=model, num_tokens=PROMPT_LOOKUP_TOKENS)
         if self.untrained is not None:
-            runners["untrained"] = bind(spec.generate, self.untrained, **chain)
+            runners["untrained"] = bind(decode.generate, self.untrained, **chain)
         return runners
 
 
 def _untrained_like(drafter: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
     """Same config and vocab map as ``drafter``, seeded random weights: the floor a trained one must beat."""
     from eagle3_ray.drafter import Eagle3Drafter
-    from eagle3_ray.spec import prepare_drafter
+    from eagle3_ray.decode import prepare_drafter
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(UNTRAINED_SEED)

@@ -5,7 +5,7 @@ Parameter names are exactly the ``LlamaForCausalLMEagle3`` layout SGLang and vLL
 ``srt/models/llama_eagle3.py``: residual from ``h``, q/k/v over
 ``cat(input_layernorm(embed), hidden_norm(h))``, fused residual adds, neox RoPE on positions.
 
-API used by training (``drafter/ttt.py``) and by speculative decoding (``spec/``)::
+API used by training (``drafter/ttt.py``) and by speculative decoding (``decode/``)::
 
     drafter.bind_embedding(target.get_input_embeddings())
     h = drafter.fuse(aux_hidden)                       # [B, T, 3Ht] -> [B, T, H]

@@ -1,4 +1,4 @@
-"""Static KV-cache primitives shared by the speculative-decoding target (``spec/static.py``) and
+"""Static KV-cache primitives shared by the speculative-decoding target (``decode/static.py``) and
 batched generation (``engines/static_generate.py``): a preallocated storage written at explicit
 slots, exposed to transformers as a ``Cache`` of ``SlotLayer``s, and the transformers API checks
 both need. No Ray in here.

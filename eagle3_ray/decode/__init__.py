@@ -1,5 +1,5 @@
 """EAGLE-3 speculative decoding on Hugging Face targets (batch size 1, KV caches), and the
-drafter-free generators it is measured against. See docs/spec.md.
+drafter-free generators it is measured against. See docs/decode.md.
 
     tokens, stats = generate(target, drafter, prompt_ids, 128, mode="tree", topk=4, depth=5)
     stats.tau, stats.tokens_per_s
@@ -16,15 +16,15 @@ import torch
 
 from eagle3_ray.drafter.model import Eagle3Drafter
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.chain import Eagle3Proposer, chain_generate
-from eagle3_ray.spec.drafts import Draft, DraftTree, Proposer
-from eagle3_ray.spec.plain import prompt_lookup_generate, target_generate, target_top2
-from eagle3_ray.spec.sampling import make_sampling
-from eagle3_ray.spec.static import StaticTarget
-from eagle3_ray.spec.static_draft import StaticProposer
-from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, check_max_new_tokens, eos_set, model_device, prompt_tensor
-from eagle3_ray.spec.tree import tree_generate
+from eagle3_ray.decode.chain import Eagle3Proposer, chain_generate
+from eagle3_ray.decode.drafts import Draft, DraftTree, Proposer
+from eagle3_ray.decode.plain import prompt_lookup_generate, target_generate, target_top2
+from eagle3_ray.decode.sampling import make_sampling
+from eagle3_ray.decode.static import StaticTarget
+from eagle3_ray.decode.static_draft import StaticProposer
+from eagle3_ray.decode.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.decode.target import TargetRunner, check_max_new_tokens, eos_set, model_device, prompt_tensor
+from eagle3_ray.decode.tree import tree_generate
 
 __all__ = [
     "Draft",
@@ -116,7 +116,7 @@ def _as_proposer(drafter: Eagle3Drafter | Proposer, target: torch.nn.Module, opt
         return drafter
     raise ConfigError(
         f"drafter is a {type(drafter).__name__}; pass what eagle3_ray.drafter.export.load_drafter returns "
-        "(an Eagle3Drafter) or an eagle3_ray.spec.Proposer"
+        "(an Eagle3Drafter) or an eagle3_ray.decode.Proposer"
     )
 
 

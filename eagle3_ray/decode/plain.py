@@ -10,10 +10,10 @@ import torch
 from transformers import GenerationConfig
 
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.sampling import Sampling, make_sampling, pick
-from eagle3_ray.spec.static import StaticTarget
-from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner, check_max_new_tokens, eos_set, model_device, prompt_tensor
+from eagle3_ray.decode.sampling import Sampling, make_sampling, pick
+from eagle3_ray.decode.static import StaticTarget
+from eagle3_ray.decode.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.decode.target import TargetRunner, check_max_new_tokens, eos_set, model_device, prompt_tensor
 
 
 @torch.inference_mode()
@@ -132,7 +132,7 @@ def prompt_lookup_generate(
     """Greedy prompt-lookup decoding (transformers' ``prompt_lookup_num_tokens``), drafter-free.
 
     Target forwards are counted with a forward hook. transformers verifies the first candidates
-    in the prefill forward itself, so tau here is new tokens / target forwards (docs/spec.md).
+    in the prefill forward itself, so tau here is new tokens / target forwards (docs/decode.md).
     """
     check_max_new_tokens(max_new_tokens)
     if num_tokens < 1:

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from eagle3_ray.spec.sampling import Sampling
+from eagle3_ray.decode.sampling import Sampling
 
 
 @dataclass

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
-from eagle3_ray.spec.drafts import DraftTree, Proposer, tree_layout
-from eagle3_ray.spec.loop import speculate, start
-from eagle3_ray.spec.sampling import Sampling, probs, sample, verify_children
-from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import HostRead, TargetRunner, as_root
+from eagle3_ray.decode.drafts import DraftTree, Proposer, tree_layout
+from eagle3_ray.decode.loop import speculate, start
+from eagle3_ray.decode.sampling import Sampling, probs, sample, verify_children
+from eagle3_ray.decode.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.decode.target import HostRead, TargetRunner, as_root
 
 
 @torch.no_grad()

@@ -1,11 +1,11 @@
 """The drafter side of speculative decoding on a preallocated KV cache, replayed as CUDA graphs.
 
-``StaticProposer`` is a ``Proposer`` (``spec/drafts.py``) over the same EAGLE-3 drafter as
+``StaticProposer`` is a ``Proposer`` (``decode/drafts.py``) over the same EAGLE-3 drafter as
 ``Eagle3Proposer`` (the eager reference), with the drafter's one attention layer reading and
 writing a preallocated storage ``[1, kv_heads, max_length, head_dim]`` instead of a growing cache:
 
 * every write goes to explicit slots (slot = drafter position), and every call attends over the
-  first ``span`` slots of the storage (the smallest of ``spans``, ``spec/spans.py``, holding the
+  first ``span`` slots of the storage (the smallest of ``spans``, ``decode/spans.py``, holding the
   committed and new keys: a masked attention reads every slot it is given) with a mask computed on
   the device from the committed length, so a call has one shape per (width, span) whatever the
   context length, and never reads the host;
@@ -42,10 +42,10 @@ import torch
 
 from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.drafts import Draft, DraftTree
-from eagle3_ray.spec.sampling import Sampling, probs
-from eagle3_ray.spec.spans import attention_spans, span_for
-from eagle3_ray.spec.tree import accepted_order, eagle2_depths, select_nodes
+from eagle3_ray.decode.drafts import Draft, DraftTree
+from eagle3_ray.decode.sampling import Sampling, probs
+from eagle3_ray.decode.spans import attention_spans, span_for
+from eagle3_ray.decode.tree import accepted_order, eagle2_depths, select_nodes
 
 log = logging.getLogger(__name__)
 

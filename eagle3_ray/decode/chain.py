@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from eagle3_ray.drafter.model import DrafterKVCache, Eagle3Drafter
-from eagle3_ray.spec.drafts import Draft, DraftTree, Proposer
-from eagle3_ray.spec.loop import speculate, start
-from eagle3_ray.spec.sampling import Sampling, accept_greedy_chain, probs, verify_chain
-from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import HostRead, TargetRunner, as_root
-from eagle3_ray.spec.tree import eagle2_tree
+from eagle3_ray.decode.drafts import Draft, DraftTree, Proposer
+from eagle3_ray.decode.loop import speculate, start
+from eagle3_ray.decode.sampling import Sampling, accept_greedy_chain, probs, verify_chain
+from eagle3_ray.decode.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.decode.target import HostRead, TargetRunner, as_root
+from eagle3_ray.decode.tree import eagle2_tree
 
 
 class Eagle3Proposer:

@@ -4,7 +4,7 @@ A 135M-8B target at batch 1 is launch-bound: one forward of 1 to 64 new tokens c
 hundred kernel launches whatever its width. ``StaticTarget`` removes that cost: it owns one KV
 storage for every layer, ``[L, 2, kv_heads, max_length, head_dim]``, and captures one CUDA graph
 per forward width it sees (1 for plain decoding, K+1 for a chain, total_tokens+1 for a tree)
-and attention span, then replays it. Build it once per process and pass it as ``target`` to ``spec.generate`` /
+and attention span, then replays it. Build it once per process and pass it as ``target`` to ``decode.generate`` /
 ``spec.target_generate``; every generation reuses the storage and the graphs.
 
 Everything a forward depends on lives in device tensors the graph reads: the token ids, the
@@ -26,7 +26,7 @@ forward overwrites them. A tree's accepted path is moved down to consecutive slo
 gather over all layers.
 
 The drafter gets the same treatment next to this storage: ``proposer(drafter)`` is its
-``StaticProposer`` (``spec/static_draft.py``), used by ``spec.generate`` when ``draft_graphs``.
+``StaticProposer`` (``decode/static_draft.py``), used by ``decode.generate`` when ``draft_graphs``.
 
 Prompts: an eager forward of a prompt is launch-bound too (about 30 ms for SmolLM2-135M on an H200, paid in
 every decoding mode, a tenth of a 128-token turn). With ``prefill_width`` C, a prompt runs as
@@ -49,9 +49,9 @@ from eagle3_ray.drafter.model import Eagle3Drafter, sdpa_for_growing_keys
 from eagle3_ray.engines.hidden_states import HiddenStateSelection
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, SlotLayer, Slots, cache_api
 from eagle3_ray.errors import ConfigError
-from eagle3_ray.spec.spans import attention_spans, span_for
-from eagle3_ray.spec.static_draft import StaticProposer, capture_graph
-from eagle3_ray.spec.target import TargetOut
+from eagle3_ray.decode.spans import attention_spans, span_for
+from eagle3_ray.decode.static_draft import StaticProposer, capture_graph
+from eagle3_ray.decode.target import TargetOut
 
 PREFILL_WIDTH = 256  # prompt chunk of the graphed prefill (CUDA graphs on); padding is free for a launch-bound target
 MAX_GRAPH_WIDTH = 256  # default widest graphed forward; a tree of 64-80 drafted tokens verifies 65-81 wide
@@ -67,7 +67,7 @@ class StaticTarget:
     generation run through it. ``cuda_graphs``: capture graphs (CUDA only; ignored elsewhere).
     ``max_graph_width``: wider forwards (a tree's verify is its token budget + 1) run eagerly, and
     markedly slower: keep it above the widest tree verify (benchmarks/results/README.md, quality).
-    ``draft_graphs``: ``spec.generate`` drafts through ``proposer(drafter)``, a ``StaticProposer``
+    ``draft_graphs``: ``decode.generate`` drafts through ``proposer(drafter)``, a ``StaticProposer``
     (static drafter cache, CUDA-graphed chain / tree / commit steps) kept next to this storage;
     False drafts with the eager ``Eagle3Proposer`` (the reference path).
     ``length_spans``: attend over the smallest span of ``spans`` holding the context (module doc);
@@ -99,7 +99,7 @@ class StaticTarget:
         if layer_types != {"full_attention"}:
             raise ConfigError(
                 f"StaticTarget supports full-attention decoders only; this target has layer types {sorted(layer_types)}: "
-                "use spec.generate with the model itself (DynamicCache)"
+                "use decode.generate with the model itself (DynamicCache)"
             )
         if max_length < 2:
             raise ConfigError(f"max_length={max_length}; give the longest prompt + max_new_tokens + verify width")

@@ -8,10 +8,10 @@ from typing import Callable
 
 import torch
 
-from eagle3_ray.spec.drafts import Draft, DraftTree, Proposer
-from eagle3_ray.spec.sampling import Sampling, pick
-from eagle3_ray.spec.stats import SpecStats, Stopwatch, Tally
-from eagle3_ray.spec.target import TargetRunner
+from eagle3_ray.decode.drafts import Draft, DraftTree, Proposer
+from eagle3_ray.decode.sampling import Sampling, pick
+from eagle3_ray.decode.stats import SpecStats, Stopwatch, Tally
+from eagle3_ray.decode.target import TargetRunner
 
 # (runner, proposer, root, draft, sampling, clock) -> (new tokens, accepted drafts, the next root)
 Verify = Callable[..., tuple[list[int], int, torch.Tensor]]

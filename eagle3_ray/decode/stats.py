@@ -1,6 +1,6 @@
 """Output tokens and the accounting of one generation.
 
-Definitions (docs/spec.md):
+Definitions (docs/decode.md):
 - a *verify step* is one target forward over the drafted tokens; the prefill forward, which
   produces the first new token, is not one;
 - tau = tokens appended by verify steps / verify steps. A step appends its accepted drafts plus
