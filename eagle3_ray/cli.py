@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from eagle3_ray import errors, ray_session
+from eagle3_ray.audit.cli import add_verify_parser, verify_command
 from eagle3_ray.config import load_config
 from eagle3_ray.errors import ConfigError, Eagle3Error
 from eagle3_ray.metrics import record_bench
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, out_required=False)
     p.add_argument("--stop-after", choices=["generate", "prepare", "extract", "vocab", "train", "export"],
                    help="end the run after this stage (rerun without it to continue)")
+    add_verify_parser(sub)
     return parser
 
 
@@ -181,6 +183,8 @@ def _writable_out(out: str) -> None:
 
 def _dispatch(args) -> int:
     cmd = args.command
+    if cmd == "verify":  # no Ray, no --out: eagle3_ray/audit/cli.py
+        return verify_command(args)
     cfg = None if cmd == "export" else _load(args)
     # Every path and model argument, before Ray starts (or --out is created): eagle3_ray/preflight.py.
     check_command(cmd, args, cfg)

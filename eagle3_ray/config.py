@@ -151,6 +151,23 @@ class ExtractConfig(_Section):
         "scale per token and layer (4H+16 instead of 8H bytes/token, ~0.5x); readers still get bf16. A store "
         "holds one format (docs/feature-store.md)."
     )
+    audit_rows: float = Field(
+        0.1, ge=0.0, le=1.0, description="Share of each sample's rows the capture audit reads with the target's "
+        "lm_head (0 = no audit; the final-norm check still reads every row). docs/feature-store.md, "
+        "\"Capture audit\"."
+    )
+    audit_min_agreement: float = Field(
+        0.8, ge=0.0, le=1.0, description="Least share of greedy-answer rows where lm_head(last_hidden) picks the "
+        "next token, per shard."
+    )
+    audit_max_nll_excess: float = Field(
+        1.0, description="Most mean next-token NLL above the target's own entropy on assistant rows (nats), "
+        "per shard."
+    )
+    audit_max_unnormed: float = Field(
+        0.001, ge=0.0, le=1.0, description="Most share of rows whose last_hidden is not the final RMSNorm's "
+        "output, per shard (1 turns the check off, for a target whose final norm is not x*w/rms(x))."
+    )
 
 
 class VocabConfig(_Section):

@@ -29,6 +29,12 @@ class StoreError(Eagle3Error):
     """A feature store is missing, corrupt, or does not match the target/config."""
 
 
+class AuditFailed(Eagle3Error):
+    """Captured hidden states fail the capture audit: they do not predict the target's next tokens the
+    way the target does (docs/feature-store.md, "Capture audit"); the message names the shard, the
+    figure, the worst sample and the likely causes."""
+
+
 class PreflightError(Eagle3Error):
     """A stage refuses to start because it would fail midway (e.g. not enough disk)."""
 

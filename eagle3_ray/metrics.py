@@ -10,6 +10,8 @@ records nothing, so the compute core and plain scripts can call these freely.
     eagle3_bytes_written  counter  feature bytes committed to the store
     eagle3_rejects        counter  samples quarantined by a stage
     eagle3_extract_tokens_per_s  gauge  tokens/s of one engine actor's last batch
+    eagle3_capture_agreement / eagle3_capture_nll / eagle3_capture_nll_excess  gauges, the capture
+                          audit's figures of an engine actor's last shard (docs/feature-store.md)
     eagle3_train_loss / eagle3_train_tau(_served) / eagle3_train_acc{ttt_step}  gauges, last logged step
     eagle3_train_step     gauge    optimizer step
     eagle3_train_tokens_per_s / eagle3_train_input_wait  gauges, last logging window
@@ -31,6 +33,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bytes_written": ("counter", "Feature bytes committed to the feature store.", ()),
     "rejects": ("counter", "Samples quarantined by a stage (reasons in rejects.jsonl).", ()),
     "extract_tokens_per_s": ("gauge", "Tokens/s of one engine actor over its last batch.", ()),
+    "capture_agreement": ("gauge", "Capture audit: share of greedy-answer rows whose lm_head argmax is the next "
+                          "token, an engine actor's last shard.", ()),
+    "capture_nll": ("gauge", "Capture audit: mean next-token NLL (nats) on assistant rows, last shard.", ()),
+    "capture_nll_excess": ("gauge", "Capture audit: mean NLL less the target's own entropy (nats), last shard.", ()),
     "train_loss": ("gauge", "Drafter TTT loss at the last logged step.", ()),
     "train_tau": ("gauge", "Simulated acceptance length at the last logged step.", ()),
     "train_tau_served": ("gauge", "Simulated acceptance counting targets outside the draft vocab as misses.", ()),

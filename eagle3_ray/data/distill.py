@@ -1,7 +1,8 @@
 """Self-distillation: the target answers prompt-only samples, so the drafter learns its own outputs.
 
 Resumable by construction: records are appended batch by batch (flush + fsync) as
-``{"id", "conversations": [{"role", "content"}]}`` lines; a rerun skips every id already in the
+``{"id", "conversations": [{"role", "content"}]}`` lines (plus ``"greedy_by"``: the target's
+fingerprint, on answers written at temperature 0); a rerun skips every id already in the
 output and drops a trailing partial line left by a crash. Multi-turn prompt-only samples (MT-bench
 ``turns``) are answered turn by turn, each turn seeing the target's earlier answers; the samples
 of a batch are generated together, one ``engine.generate`` call per turn index.
@@ -55,8 +56,11 @@ def self_distill(
     batch_size: int = 8,
     seed: int = 0,
     progress: Progress | None = None,
+    answered_by: str = "",
 ) -> DistillSummary:
-    """Answer every sample that needs generation and append all samples to ``out_path`` (JSONL)."""
+    """Answer every sample that needs generation and append all samples to ``out_path`` (JSONL).
+    ``answered_by``: the target's fingerprint (the feature store's ``target_fingerprint``), written as
+    ``greedy_by`` on the answers written here at temperature 0."""
     if batch_size < 1:
         raise ConfigError(f"generate.batch_size={batch_size}: must be >= 1")
     t0 = time.monotonic()
@@ -72,11 +76,14 @@ def self_distill(
     for batch in batches:  # each batch's first seed, as if answered one after the other
         seeds.append(seed + calls)
         calls += _calls_needed(batch)
+    # Greedy answers carry the target's fingerprint: the capture audit checks that the captured states
+    # predict them (docs/feature-store.md, "Capture audit").
+    greedy_by = answered_by if temperature == 0 else ""
     with open(out, "a", encoding="utf-8") as f, _Answering(engine, tokenizer, sampling) as answering:
         done = 0
         for batch, (convs, stats) in zip(batches, answering.in_order(batches, seeds)):
             start, done = done, done + len(batch)
-            _append(f, [{"id": s.sample_id, "conversations": c} for s, c in zip(batch, convs)])
+            _append(f, [_record(s, c, greedy_by) for s, c in zip(batch, convs)])
             summary.generated += sum(s.needs_generation for s in batch)
             summary.passed_through += sum(not s.needs_generation for s in batch)
             summary.empty_answers += stats["empty"]
@@ -202,6 +209,16 @@ def _answer_batch(
             stats["empty"] += not text
             stats["tokens"] += len(new_ids)
     return convs, stats
+
+
+def _record(sample: Sample, conversation: list[dict], greedy_by: str) -> dict[str, Any]:
+    """The output line of ``sample``: its answered conversation, and ``greedy_by`` (the fingerprint of
+    the target that answered it greedily) for a sample answered here, or the one it came with."""
+    rec: dict[str, Any] = {"id": sample.sample_id, "conversations": conversation}
+    mark = greedy_by if sample.needs_generation else sample.greedy_by
+    if mark:
+        rec["greedy_by"] = mark
+    return rec
 
 
 def _append(f, records: list[dict]) -> None:

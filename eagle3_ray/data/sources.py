@@ -46,6 +46,9 @@ class Sample:
     sample_id: str
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
     source: str  # "file:line" (JSONL) or "file:item" (1-based, JSON array)
+    # The fingerprint of the target that wrote every assistant turn greedily (the generate stage's
+    # ``greedy_by`` field), "" otherwise: the capture audit's agreement is judged on these samples.
+    greedy_by: str = ""
 
     @property
     def needs_generation(self) -> bool:
@@ -143,7 +146,8 @@ def read_samples(
             continue
         if system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        yield Sample(sample_id, messages, source)
+        greedy_by = raw.get("greedy_by") if isinstance(raw, dict) else None
+        yield Sample(sample_id, messages, source, greedy_by if isinstance(greedy_by, str) else "")
         n_samples += 1
         if max_samples is not None and n_samples >= max_samples:
             return

@@ -7,11 +7,14 @@ after k decoder layers (0 = embeddings). Default ``[2, L//2, L-3]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from eagle3_ray.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    from eagle3_ray.audit.rows import RowFigures
 
 
 def check_generate_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -71,6 +74,9 @@ class Capture:
 
     aux_hidden: torch.Tensor  # [T, 3H], the three aux states concatenated in id order
     last_hidden: torch.Tensor  # [T, H], post-final-norm (the lm_head input)
+    # The capture audit's figures of some rows (audit/rows.py), computed by the engine with the target's
+    # lm_head where the states are; None when the engine was built without an audit share.
+    audit: RowFigures | None = None
 
 
 @runtime_checkable
@@ -78,7 +84,8 @@ class TargetEngine(Protocol):
     info: EngineInfo
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[Capture]:
-        """Full-sequence forward of each token-id sequence; one Capture per input, same order."""
+        """Full-sequence forward of each token-id sequence; one Capture per input, same order, with
+        the audit's figures of ``audit_positions(T, share)`` when built with an audit share > 0."""
         ...
 
     def generate(

@@ -1,7 +1,8 @@
-"""The two target tensors training needs: the input embedding and the lm_head, saved once.
+"""The two target tensors training needs: the input embedding and the lm_head, saved once; and the
+lm_head with the final norm's weight, the two the capture audit needs (``read_lm_head_and_norm``).
 
 Training workers bind the frozen embedding into the drafter and compute target logits from the
-frozen lm_head; they never load the target itself. From an HF directory with safetensors the two
+frozen lm_head; they never load the target itself. From an HF directory with safetensors the
 tensors are read by name (a 1T-parameter target is never materialised); random targets are built.
 """
 
@@ -55,6 +56,33 @@ def _from_files(model_dir: Path) -> dict[str, torch.Tensor] | None:
     head_key = _pick(names, "lm_head.weight")
     head = _read(names, head_key) if head_key else embed  # tied word embeddings
     return {EMBED: embed, LM_HEAD: head}
+
+
+def _final_norm_key(names: dict[str, Path], anchor: str) -> str | None:
+    """The text model's final norm weight: ``<prefix>model.norm.weight`` next to the lm_head (or the
+    embedding) key ``anchor``, else the shortest ``norm.weight`` outside the decoder layers."""
+    prefix = anchor[: anchor.index("lm_head.weight")] if anchor.endswith("lm_head.weight") else \
+        anchor[: anchor.index("model.embed_tokens.weight")] if anchor.endswith("model.embed_tokens.weight") else None
+    if prefix is not None and f"{prefix}model.norm.weight" in names:
+        return f"{prefix}model.norm.weight"
+    hits = sorted((k for k in names if (k == "norm.weight" or k.endswith(".norm.weight")) and "layers." not in k),
+                  key=len)
+    return hits[0] if hits else None
+
+
+def read_lm_head_and_norm(model_dir: str | Path, with_head: bool = True) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """(lm_head [V, H], final norm weight [H]) of the checkpoint in ``model_dir``, read by name from
+    its safetensors (through the index when sharded: only the files holding them are opened); the
+    embedding when the word embeddings are tied; ``with_head=False``: (None, norm). None when the
+    directory has no such tensors."""
+    names = _weight_files(Path(model_dir))
+    head_key = _pick(names, "lm_head.weight") or _pick(names, "embed_tokens.weight")
+    if head_key is None:
+        return None
+    norm_key = _final_norm_key(names, head_key)
+    if norm_key is None:
+        return None
+    return (_read(names, head_key) if with_head else None), _read(names, norm_key)
 
 
 def save_target_heads(cfg: TargetConfig, resolved: ResolvedTarget, out_dir: str | Path) -> Path:

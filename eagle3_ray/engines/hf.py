@@ -1,7 +1,9 @@
 """Hugging Face transformers target engine: hidden-state capture and batched generation. No Ray in here.
 
 Capture runs the base model (``model.model``), never the CausalLM wrapper, so no [B, T, vocab]
-logits are built, and asks transformers for only the three aux ``hidden_states`` it needs.
+logits are built, and asks transformers for only the three aux ``hidden_states`` it needs. With an
+audit share, the target's lm_head is applied to that share of the captured rows, on the device, for
+the capture audit (audit/rows.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from eagle3_ray.audit.rows import RowFigures, audit_positions, row_figures
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, cut_at_eos, resolve_aux_layers
 from eagle3_ray.engines.hidden_states import HiddenStateSelection
@@ -67,7 +70,9 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 class HFEngine:
     """``TargetEngine`` on a transformers causal LM (Llama, Qwen2, DeepSeek-V3, ... with ``model.model``)."""
 
-    def __init__(self, target_cfg: TargetConfig, batch_tokens: int = 8192, device: str | torch.device | None = None):
+    def __init__(self, target_cfg: TargetConfig, batch_tokens: int = 8192, device: str | torch.device | None = None,
+                 audit_share: float = 0.0):
+        """``audit_share``: the share of each sequence's rows whose audit figures ``capture`` computes."""
         if batch_tokens < 1:
             raise EngineError(f"batch_tokens={batch_tokens}: the forward token budget must be >= 1")
         self.batch_tokens = batch_tokens
@@ -100,6 +105,7 @@ class HFEngine:
         if not self.eos_ids:
             raise EngineError(f"target.model={target_cfg.model!r} defines no EOS token; generation could not stop")
         self.pad_id: int = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
+        self.audit_share = audit_share
         self._thread = threading.local()  # each calling thread's capture stream
         # generate(): on CUDA a static-cache, CUDA-graphed decoder where the model allows one
         # (engines/static_generate.py); elsewhere transformers' generate. Tests may flip it.
@@ -139,7 +145,24 @@ class HFEngine:
             # One bulk copy per tensor (per-row copies cost a sync each); rows are views of it.
             # aux_dev/last_dev stay referenced until the stream is synchronised on leaving the block.
             aux, last = to_host([aux_dev, last_dev])
-        return [Capture(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
+            audits = self._audit(input_ids, lengths, last_dev)  # queued after the copies
+        audits = [a.to("cpu") if a is not None else None for a in audits]
+        return [Capture(aux[row, :n], last[row, :n], audits[row]) for row, n in enumerate(lengths)]
+
+    def _audit(self, input_ids: torch.Tensor, lengths: list[int], last_dev: torch.Tensor) -> list[RowFigures | None]:
+        """The audit figures of each row's ``audit_positions``, with the target's lm_head, on the device
+        of ``last_dev`` [B, Tmax, H]; one call over the whole group's rows."""
+        if self.audit_share <= 0:
+            return [None] * len(lengths)
+        positions = [audit_positions(n, self.audit_share) for n in lengths]
+        rows = torch.cat([torch.full_like(p, b) for b, p in enumerate(positions)])  # [n] batch row
+        cols = torch.cat(positions)  # [n] position in that row
+        dev = last_dev.device
+        weight = self.target.model.get_output_embeddings().weight  # [V, H]
+        fig = row_figures(last_dev[rows.to(dev), cols.to(dev)], weight, input_ids[rows, cols + 1], cols)
+        counts = [len(p) for p in positions]
+        parts = [torch.split(t, counts) for t in (fig.positions, fig.nll, fig.entropy, fig.argmax)]
+        return [RowFigures(*fields) for fields in zip(*parts)]
 
     def forward_states(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """aux [B, T, 3H] and last [B, T, H] (post final norm = lm_head input) on the target device."""

@@ -71,10 +71,11 @@ class SGLangEngine:
 
     def __init__(self, target_cfg: TargetConfig, mode: Mode = "capture", node_rank: int = 0,
                  max_restarts: int = MAX_RESTARTS, engine_factory: Callable[..., Any] | None = None,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, audit_share: float = 0.0):
         """``engine_factory`` builds the engine from the kwargs (default ``sglang.Engine``; tests
         pass a fake, since the real engine needs CUDA). ``max_batch`` (mode generate): the most
-        requests one ``generate`` call sends, the decode batch CUDA graphs are captured up to."""
+        requests one ``generate`` call sends, the decode batch CUDA graphs are captured up to.
+        ``audit_share`` (mode capture): the share of rows the hook computes audit figures of."""
         from eagle3_ray.engines.describe import describe_target
 
         sglang = import_sglang()
@@ -84,6 +85,7 @@ class SGLangEngine:
         self.restarts = 0
         self.max_restarts = max_restarts
         self._target, self._node_rank, self._max_batch = target_cfg, node_rank, max_batch
+        self.audit_share = audit_share if mode == "capture" else 0.0
         self._factory = engine_factory or sglang.Engine
         self._root = Path(target_cfg.sglang.capture_dir) if mode == "capture" else None
         self._dir: Path | None = None

@@ -68,11 +68,12 @@ class DistillActor:
 
     def __init__(self, target: TargetConfig, batch_tokens: int, batch_size: int | None = None):
         """``batch_size``: generate.batch_size, the most requests one engine call sends."""
-        from eagle3_ray.engines.describe import load_tokenizer
+        from eagle3_ray.engines.describe import describe_target, load_tokenizer
         from eagle3_ray.engines.factory import build_engine
 
         self.engine = build_engine(target, batch_tokens=batch_tokens, mode="generate", max_batch=batch_size)
         self.tokenizer = load_tokenizer(target)
+        self.fingerprint = describe_target(target).fingerprint  # the feature store's target_fingerprint
 
     def run(self, samples: list[Sample], part_path: str, gen: GenerateConfig, max_length: int | None = None,
             synthetic: SyntheticShare | None = None) -> dict:
@@ -108,6 +109,7 @@ class DistillActor:
                 top_p=gen.top_p,
                 batch_size=gen.batch_size,
                 seed=copy_seed(gen.seed, copy),
+                answered_by=self.fingerprint,
             )
             per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
         out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}

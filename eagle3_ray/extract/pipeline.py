@@ -28,8 +28,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3_ray.atomic import write_json
+from eagle3_ray.audit.figures import SampleAudit, merged_json, progress_text, sums_from_json
 from eagle3_ray.config import ExtractConfig, PipelineConfig, save_resolved
 from eagle3_ray.errors import ConfigError, StoreError
+from eagle3_ray.extract.capture_audit import COLUMNS as AUDIT_COLUMNS
+from eagle3_ray.extract.capture_audit import from_columns
 from eagle3_ray.extract.prepared import read_prepared, require_prepared
 from eagle3_ray.extract.stage import engine_pool, write_summary
 from eagle3_ray.extract.startup import PlanningSteps, Timeline, timeline_line
@@ -110,6 +113,8 @@ class ExtractSummary:
     engine_ready_s: float | None = None  # the first engine actor ready
     first_shard_s: float | None = None  # the first committed shard reported to the driver
     steady_tokens_per_s: float | None = None  # after the first shard: tokens / (last - first report)
+    # The capture audit's figures over every shard of the store (their markers' "audit"; docs/feature-store.md).
+    audit: dict | None = None
 
 
 def describe_in_background(target) -> Future:
@@ -204,7 +209,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         CaptureWriteUDF,
         fn_constructor_kwargs=dict(
             target=cfg.target, batch_tokens=cfg.extract.batch_tokens, root=str(out), meta=None, run=cfg.name,
-            start_file=str(start_file),
+            start_file=str(start_file), extract=cfg.extract,
         ),
         **engine_pool(cfg.extract, max_concurrent_calls_per_actor=concurrent,
                       enable_true_multi_threading=concurrent > 1),
@@ -227,6 +232,7 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
         timeline.checks = last = time.monotonic()
         log.info("extract planning: %s", steps.line())
         meter = RateMeter("extract", total_samples=int(todo.sum()), total_tokens=todo_tokens)
+        audit = SampleAudit("")  # this run's capture audit sums, for the progress line
         actors: dict[str, str] = {}  # engine actor id -> its node's address, in order of first result
         while (batch := results.get()) is not _END:
             if isinstance(batch, BaseException):
@@ -238,14 +244,25 @@ def run_extract(cfg: PipelineConfig, prepared: str | Path, out: str | Path,
                          nbytes=int(batch["num_tokens"][ok].sum()) * bytes_per_token(info.hidden_size,
                                                                                      cfg.extract.compact),
                          rejected=int((batch["status"] == "rejected").sum()))
+            audit = _add_audit(audit, from_columns(batch, ok))
             if time.monotonic() - last > 10:
-                say(meter.line())
+                say(_progress(meter, audit))
                 last = time.monotonic()
     finally:  # on every exit: no iteration of this run's dataset outlives the stage (or its Ray session)
         results.close()
         start_file.unlink(missing_ok=True)
-    say(meter.line())
+    say(_progress(meter, audit))
     return _finish_extract(out, timeline, skipped, meter.rejected)
+
+
+def _add_audit(a: SampleAudit, b: SampleAudit) -> SampleAudit:
+    return SampleAudit("", **{k: getattr(a, k) + getattr(b, k) for k in AUDIT_COLUMNS})
+
+
+def _progress(meter, audit: SampleAudit) -> str:
+    """The meter's line with the capture audit's figures so far."""
+    text = progress_text(audit)
+    return f"{meter.line()}; {text}" if text else meter.line()
 
 
 START_PREFIX = ".extract-start-"  # the run's start file in the store (see _write_start)
@@ -321,8 +338,10 @@ def _note_actors(actors: dict[str, str], batch: dict[str, np.ndarray]) -> None:
 
 def _finish_extract(out: Path, timeline: Timeline, skipped: int, rejected: int) -> ExtractSummary:
     from eagle3_ray.features import open_store
+    from eagle3_ray.features.store import manifest
 
     store = open_store(out)
+    audited = [m["audit"] for m in manifest(out) if isinstance(m.get("audit"), dict)]
     seconds = time.monotonic() - timeline.t0
     nbytes = sum(s.bytes for s in store.shards) if store.shards else 0
     summary = ExtractSummary(
@@ -335,6 +354,7 @@ def _finish_extract(out: Path, timeline: Timeline, skipped: int, rejected: int) 
         tokens_per_s=round(store.num_tokens / seconds, 1) if seconds > 0 else 0.0,
         store=str(out),
         **timeline.fields(),
+        audit=merged_json(audited) if audited else None,
     )
     if not store.shards:
         raise StoreError(f"extraction wrote no samples to {out}; see {out / REJECTS_FILE}")
@@ -345,4 +365,6 @@ def _finish_extract(out: Path, timeline: Timeline, skipped: int, rejected: int) 
     )
     if (line := timeline_line(summary, seconds)) is not None:
         say(line)
+    if audited:
+        say(f"[extract] capture audit over {len(audited)} shard(s): {progress_text(sums_from_json(summary.audit))}")
     return summary

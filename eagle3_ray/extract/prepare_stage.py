@@ -70,7 +70,8 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
             f"no usable samples in {source} ({len(rejects)} rejected, reasons in {out / REJECTS_FILE}); "
             "pass --data with conversations in ShareGPT or OpenAI form"
         )
-    rows = [{"sample_id": s.sample_id, "messages": json.dumps(s.messages), "source": s.source} for s in samples]
+    rows = [{"sample_id": s.sample_id, "messages": json.dumps(s.messages), "source": s.source,
+             "greedy_by": s.greedy_by} for s in samples]
 
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // TOKENIZE_BATCH))
     # Tokenized once; the rows stay in Ray Data (object store): the driver reads back only each row's

@@ -2,7 +2,9 @@
 training and the online vocab map read.
 
 One row per kept sample, sorted by ``sample_id``: ``sample_id`` string, ``input_ids`` list<int32>,
-``loss_mask`` list<uint8>, ``num_tokens`` int64, ``source`` string (docs/pipeline.md, "prepare").
+``loss_mask`` list<uint8>, ``num_tokens`` int64, ``source`` string, ``greedy_by`` string (the
+fingerprint of the target that answered the sample greedily, "" if none; absent in files written
+before it existed) (docs/pipeline.md, "prepare").
 """
 
 from __future__ import annotations
@@ -41,3 +43,11 @@ def read_prepared(prepared: str | Path):
     ids = [np.asarray(a, dtype=np.int32) for a in table.column("input_ids").to_numpy(zero_copy_only=False)]
     masks = [np.asarray(a, dtype=np.uint8) for a in table.column("loss_mask").to_numpy(zero_copy_only=False)]
     return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy(), ids, masks
+
+
+def read_greedy_by(prepared: str | Path) -> list[str]:
+    """Each row's ``greedy_by`` ("" for every row of a prepared file written before the column)."""
+    src = require_prepared(prepared)
+    if "greedy_by" not in pq.read_schema(src).names:
+        return [""] * pq.read_metadata(src).num_rows
+    return [str(s) for s in pq.read_table(src, columns=["greedy_by"]).column("greedy_by").to_pylist()]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from eagle3_ray.config import TargetConfig
+from eagle3_ray.config import ExtractConfig, TargetConfig
 from eagle3_ray.extract.startup import ActorStartup
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 class TokenizeUDF:
     """messages -> input_ids / loss_mask with the tokenizer's own chat template, and each row's token
-    and loss-token counts; a rejected row keeps its reason in ``reject`` ("" for a kept row)."""
+    and loss-token counts; a rejected row keeps its reason in ``reject`` ("" for a kept row).
+    ``greedy_by`` (the target that answered the sample greedily, or "") travels on."""
 
     def __init__(self, tokenizer_path: str, max_length: int, truncate: bool, run: str = ""):
         from transformers import AutoTokenizer
@@ -64,6 +65,7 @@ class TokenizeUDF:
         return pa.table({
             "sample_id": pa.array([str(s) for s in batch["sample_id"]], pa.string()),
             "source": pa.array([str(s) for s in batch["source"]], pa.string()),
+            "greedy_by": pa.array([str(s) for s in batch.get("greedy_by", [""] * len(ids))], pa.string()),
             "input_ids": pa.array(ids, pa.list_(pa.int32())),
             "loss_mask": pa.array(masks, pa.list_(pa.uint8())),
             "num_tokens": pa.array(n_tokens, pa.int64()),
@@ -76,11 +78,11 @@ class CaptureUDF:
     """The engine actor: one target engine per actor, full-sequence capture of aux + last hidden."""
 
     def __init__(self, target: TargetConfig, batch_tokens: int, expected_hidden: int, run: str = "",
-                 stage: str = "capture"):
+                 stage: str = "capture", audit_share: float = 0.0):
         from eagle3_ray.engines.factory import build_engine
 
         self.run, self.stage = run, stage
-        self.engine = build_engine(target, batch_tokens=batch_tokens)
+        self.engine = build_engine(target, batch_tokens=batch_tokens, audit_share=audit_share)
         if self.engine.info.hidden_size != expected_hidden:
             raise RuntimeError(
                 f"engine hidden size {self.engine.info.hidden_size} != planned {expected_hidden}"
@@ -110,18 +112,26 @@ class PackCaptureUDF(CaptureUDF):
     under a writer id derived from the pack keys: a retried call (Ray retries a task whose actor died)
     finds the samples its first attempt committed (`store.writer_committed_ids`) and does not write
     them twice. Hidden states stay bf16 tensors until the packed row (the layout of train/data.py,
-    bf16 as uint16) leaves the actor.
+    bf16 as uint16) leaves the actor. The capture audit judges each call's samples (online) or each
+    shard before it is committed (hybrid): a failing one stops training with ``AuditFailed``.
     """
 
     def __init__(self, prepared: str, target: TargetConfig, batch_tokens: int, meta: StoreMeta,
-                 run: str = "", store_root: str | None = None, shard_max_bytes: int | None = None):
+                 run: str = "", store_root: str | None = None, shard_max_bytes: int | None = None,
+                 extract: ExtractConfig | None = None):
         """``store_root`` (hybrid): the feature store each call commits its samples to, in shards of
-        about ``shard_max_bytes`` (``extract.shard_max_bytes``; None: one shard a call)."""
-        from eagle3_ray.extract.prepared import read_prepared
+        about ``shard_max_bytes`` (``extract.shard_max_bytes``; None: one shard a call). ``extract``:
+        the capture audit's settings (default: the schema's)."""
+        from eagle3_ray.extract.capture_audit import CaptureAudit
+        from eagle3_ray.extract.prepared import read_greedy_by, read_prepared
 
-        super().__init__(target, batch_tokens, meta.hidden_size, run=run, stage="online")
+        extract = extract or ExtractConfig()
+        super().__init__(target, batch_tokens, meta.hidden_size, run=run, stage="online",
+                         audit_share=extract.audit_rows)
         self.sample_ids, _, self.ids, self.masks = read_prepared(prepared)
+        self.greedy_by = read_greedy_by(prepared)
         self.meta, self.store_root, self.shard_max_bytes = meta, store_root, shard_max_bytes
+        self.audit = CaptureAudit(self.engine, target, extract, meta.target_fingerprint, run, "online")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from eagle3_ray.features.record import ragged
@@ -129,8 +139,11 @@ class PackCaptureUDF(CaptureUDF):
 
         packs = [np.asarray(s, dtype=np.int64) for s in batch["samples"]]
         flat = np.concatenate(packs)  # prepared indices of every sample in this call
-        records = [self._record(i, c) for i, c in zip(flat, self._capture([self.ids[i].tolist() for i in flat]))]
-        keep = self._validate_or_store(records, batch["key"])
+        captures = self._capture([self.ids[i].tolist() for i in flat])
+        records = [self._record(i, c) for i, c in zip(flat, captures)]
+        audits = [self.audit.sample(self.sample_ids[i], self.ids[i], self.masks[i], c, self.greedy_by[i])
+                  for i, c in zip(flat, captures)]
+        keep = self._validate_or_store(records, batch["key"], audits)
         rows, start = [], 0
         for pack in packs:
             kept = [records[j] for j in range(start, start + len(pack)) if keep[j]]
@@ -157,7 +170,7 @@ class PackCaptureUDF(CaptureUDF):
             "last_hidden": capture.last_hidden.to(torch.bfloat16),  # [T, H]
         }
 
-    def _validate_or_store(self, records: list[dict[str, Any]], keys: np.ndarray) -> list[bool]:
+    def _validate_or_store(self, records: list[dict[str, Any]], keys: np.ndarray, audits: list) -> list[bool]:
         from eagle3_ray import metrics
         from eagle3_ray.errors import SampleRejected
         from eagle3_ray.features.record import validate_record
@@ -171,17 +184,19 @@ class PackCaptureUDF(CaptureUDF):
                     keep.append(True)
                 except SampleRejected:
                     keep.append(False)
+            self.audit.check(f"the online capture of packs {', '.join(str(k) for k in keys[:3])}"
+                             f"{', ...' if len(keys) > 3 else ''}", [a for a, k in zip(audits, keep) if k])
         else:
             wid = "h" + hashlib.sha1("\n".join(str(k) for k in keys).encode()).hexdigest()[:16]
             committed = writer_committed_ids(self.store_root, wid)  # by an earlier attempt of this call
             with FeatureStoreWriter(self.store_root, self.meta, writer_id=wid,
-                                    shard_max_bytes=self.shard_max_bytes) as w:
-                for rec in records:
+                                    shard_max_bytes=self.shard_max_bytes, on_shard=self.audit.on_shard) as w:
+                for rec, audit in zip(records, audits):
                     if rec["sample_id"] in committed:
                         keep.append(True)
                         continue
                     try:
-                        w.add(rec)
+                        w.add(rec, audit)
                         keep.append(True)
                     except SampleRejected as e:
                         w.reject(rec["sample_id"], "online", str(e), stage="extract")
@@ -240,16 +255,19 @@ class CaptureWriteUDF:
     committing) finds its shard and does no work twice; a call that died before committing left
     nothing. Calls may run concurrently in threads (the next forward overlaps this one's
     device-to-host copy and write). Returns a small row per sample, with the actor's start-up
-    (extract/startup.py).
+    (extract/startup.py) and its capture audit sums (extract/capture_audit.py). A batch whose
+    audit fails raises ``AuditFailed`` before its shard is written.
     """
 
     def __init__(self, target: TargetConfig, batch_tokens: int, root: str, meta: StoreMeta | None,
-                 run: str = "", start_file: str | None = None):
+                 run: str = "", start_file: str | None = None, extract: ExtractConfig | None = None):
         """``meta``: the store's; None with ``start_file``: the store's metadata is read once the driver
         has written ``start_file`` (it created or checked the store meanwhile, while this engine was
-        built), and nothing is captured or written before; ``{"go": false}`` there stops the call."""
+        built), and nothing is captured or written before; ``{"go": false}`` there stops the call.
+        ``extract``: the capture audit's settings (default: the schema's)."""
         self.startup = ActorStartup()
         self.root, self.meta, self.start_file = root, None, start_file
+        self.target, self.extract, self.audit = target, extract or ExtractConfig(), None
         self._started = threading.Lock()
         self.run = run
         self.node, self.actor = _ray_placement()
@@ -262,7 +280,7 @@ class CaptureWriteUDF:
         from eagle3_ray.engines.factory import build_engine
 
         self.startup.imported()
-        self.engine = build_engine(target, batch_tokens=batch_tokens)
+        self.engine = build_engine(target, batch_tokens=batch_tokens, audit_share=self.extract.audit_rows)
         self.startup.built()
         if meta is not None:
             self._take_meta(meta)
@@ -270,8 +288,11 @@ class CaptureWriteUDF:
             raise ValueError("CaptureWriteUDF needs the store's meta or the run's start_file")
 
     def _take_meta(self, meta: StoreMeta) -> None:
+        from eagle3_ray.extract.capture_audit import CaptureAudit
+
         if self.engine.info.hidden_size != meta.hidden_size:
             raise RuntimeError(f"engine hidden size {self.engine.info.hidden_size} != planned {meta.hidden_size}")
+        self.audit = CaptureAudit(self.engine, self.target, self.extract, meta.target_fingerprint, self.run)
         self.meta = meta
 
     def _await_start(self) -> None:
@@ -306,9 +327,13 @@ class CaptureWriteUDF:
         t0 = time.monotonic()
         captures = self.engine.capture([a.tolist() for a in ids])
         _record_capture(self.run, "capture", len(ids), int(lengths.sum()), time.monotonic() - t0)
-        status, reasons = [], []
-        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=None, node=self.node) as w:
-            for sid, source, a, mask, cap in zip(sids, batch["source"], ids, batch["loss_mask"], captures):
+        status, reasons, audits = [], [], []
+        greedy_by = batch["greedy_by"] if "greedy_by" in batch else [""] * len(sids)  # older prepared files
+        with FeatureStoreWriter(self.root, self.meta, writer_id=wid, shard_max_bytes=None, node=self.node,
+                                on_shard=self.audit.on_shard) as w:
+            for sid, source, a, mask, cap, by in zip(sids, batch["source"], ids, batch["loss_mask"], captures,
+                                                     greedy_by):
+                audit = self.audit.sample(sid, a, mask, cap, str(by))
                 rec = {
                     "sample_id": sid,
                     "input_ids": torch.from_numpy(a),
@@ -317,25 +342,30 @@ class CaptureWriteUDF:
                     "last_hidden": cap.last_hidden.to(torch.bfloat16),
                 }
                 try:
-                    w.add(rec)
+                    w.add(rec, audit)
                     status.append("ok")
                     reasons.append("")
+                    audits.append(audit)
                 except SampleRejected as e:
                     w.reject(sid, str(source), str(e), stage="extract")
                     status.append("rejected")
                     reasons.append(str(e))
+                    audits.append(None)
         self._record_store(w, lengths, status)
-        return self._rows(batch["sample_id"], lengths, status, reasons)
+        return self._rows(batch["sample_id"], lengths, status, reasons, audits)
 
-    def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str]):
-        """One small row per sample: its status, the engine actor and node that handled it, and the
-        actor's start-up."""
+    def _rows(self, sample_ids: np.ndarray, lengths: np.ndarray, status: list[str], reasons: list[str],
+              audits: list | None = None):
+        """One small row per sample: its status, the engine actor and node that handled it, the actor's
+        start-up and the sample's capture audit sums."""
+        from eagle3_ray.extract.capture_audit import columns
+
         n = len(status)
         return {"sample_id": sample_ids, "num_tokens": lengths, "status": np.asarray(status, dtype=object),
                 "reason": np.asarray(reasons, dtype=object),
                 "actor": np.asarray([self.actor] * n, dtype=object),
                 "node": np.asarray([(self.node or {}).get("ip", "")] * n, dtype=object),
-                **self.startup.columns(n)}
+                **self.startup.columns(n), **columns(audits or [None] * n)}
 
     def _record_store(self, writer, lengths: np.ndarray, status: list[str]) -> None:
         from eagle3_ray import metrics

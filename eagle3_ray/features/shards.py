@@ -102,15 +102,18 @@ def read_marker(path: Path) -> dict[str, Any]:
 
 
 def marker_bytes(shard: Path, writer_id: str, sample_ids: list[str], tokens: int, nbytes: int, sha256: str,
-                 node: Mapping[str, str] | None = None) -> bytes:
+                 node: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None) -> bytes:
     """The completion marker of a published shard, as written to disk. ``node`` (informational, like
-    ``producer``): the Ray node of the writing process, {"ip": ..., "id": ...}, when it runs in Ray."""
+    ``producer``): the Ray node of the writing process, {"ip": ..., "id": ...}, when it runs in Ray.
+    ``extra``: more fields (the capture audit's ``audit`` and ``greedy_ids``), which readers that do
+    not know them ignore."""
     marker = {"format_version": FORMAT_VERSION, "shard": shard.name, "writer": writer_id,
               "producer": f"{socket.gethostname()}:{os.getpid()}",  # which process wrote it (informational)
               "sample_ids": sample_ids, "num_samples": len(sample_ids), "tokens": tokens, "bytes": nbytes,
               "sha256": sha256}
     if node:
         marker["node"] = dict(node)
+    marker.update(extra or {})
     return (json.dumps(marker) + "\n").encode()
 
 

@@ -29,7 +29,7 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -348,10 +348,15 @@ class FeatureStoreWriter:
     running on ``root`` at the same time. A writer restarted with an old id continues its
     sequence numbers, so it never replaces a completed shard. Records are referenced, not
     copied, until their shard is written: do not modify them after ``add``.
+
+    ``on_shard(shard name, notes)``, called before each shard is published with the ``note`` given
+    to ``add`` for each of its records, returns more marker fields; an exception it raises (the
+    capture audit's ``AuditFailed``) leaves the shard unwritten and its records dropped.
     """
 
     def __init__(self, root: str | Path, meta: StoreMeta, writer_id: str,
-                 shard_max_bytes: int | None = DEFAULT_SHARD_MAX_BYTES, node: Mapping[str, str] | None = None):
+                 shard_max_bytes: int | None = DEFAULT_SHARD_MAX_BYTES, node: Mapping[str, str] | None = None,
+                 on_shard: Callable[[str, list[Any]], Mapping[str, Any]] | None = None):
         if not _WRITER_ID.match(writer_id):
             raise StoreError(f"writer_id {writer_id!r} must match {_WRITER_ID.pattern} (it names shard files)")
         if shard_max_bytes is not None and shard_max_bytes < 1:
@@ -363,6 +368,8 @@ class FeatureStoreWriter:
         self.shard_max_bytes = shard_max_bytes
         self._seq = max(existing_seqs(self.root, writer_id), default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
+        self._notes: list[Any] = []
+        self._on_shard = on_shard
         self._buffer_bytes = 0
         self._bpt = bytes_per_token(self.meta.hidden_size, self.meta.compact)
         self._closed = False
@@ -370,10 +377,10 @@ class FeatureStoreWriter:
         self.samples_written = 0
         self.tokens_written = 0
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def add(self, record: Mapping[str, Any], note: Any = None) -> None:
         """Validate (SampleRejected on a bad record: pass it to ``reject``), buffer, and write a
         shard once the buffer holds ``shard_max_bytes``. Records are bf16 in every format; an fp8
-        store quantizes them here, after validation."""
+        store quantizes them here, after validation. ``note``: handed to ``on_shard``."""
         if self._closed:
             raise StoreError(f"writer {self.writer_id} is closed")
         rec = to_torch_record(record)
@@ -382,6 +389,7 @@ class FeatureStoreWriter:
         if self.meta.compact == "fp8":
             rec = compact_record(rec)
         self._buffer.append(rec)
+        self._notes.append(note)
         self._buffer_bytes += record_num_tokens(rec) * self._bpt
         if self.shard_max_bytes is not None and self._buffer_bytes >= self.shard_max_bytes:
             self.flush()
@@ -404,6 +412,11 @@ class FeatureStoreWriter:
         name = self._next_name()
         shard = shard_file(self.root, name)
         ids = [r[SAMPLE_ID] for r in self._buffer]
+        try:
+            extra = self._on_shard(name, self._notes) if self._on_shard is not None else None
+        except BaseException:
+            self._buffer, self._notes, self._buffer_bytes = [], [], 0
+            raise
         metadata = shard_metadata(self.writer_id, ids, self.meta.aux_layers, self.meta.hidden_size,
                                   self.meta.compact)
         nbytes, sha = _publish_shard(shard, self._buffer, metadata, self.meta)
@@ -411,14 +424,14 @@ class FeatureStoreWriter:
         marker = marker_path(shard)
         try:
             _write_atomic(marker, marker_bytes(shard, self.writer_id, ids, tokens, nbytes, sha,
-                                                  self.node))
+                                                  self.node, extra))
         except OSError as e:
             remove_quietly(shard)  # unmarked it is an orphan anyway; free its space now
             raise _io_error(e, marker) from e
         self.shards_written.append(shard)
         self.samples_written += len(ids)
         self.tokens_written += tokens
-        self._buffer, self._buffer_bytes = [], 0
+        self._buffer, self._notes, self._buffer_bytes = [], [], 0
         return shard
 
     def close(self) -> None:
@@ -433,4 +446,4 @@ class FeatureStoreWriter:
         if exc_type is None:
             self.close()
         else:  # buffered samples are not complete, so a resumed run redoes them
-            self._buffer, self._closed = [], True
+            self._buffer, self._notes, self._closed = [], [], True
