@@ -13,11 +13,15 @@ samples'. Three figures are judged, each over one kind of row:
   with random weights too (uniform: NLL = entropy = log V), where the NLL alone would be log V.
 
 The thresholds come from the config (``extract.audit_*``) and were set from measured healthy and
-faulty captures (docs/feature-store.md, "Capture audit"). No Ray in here.
+faulty captures (docs/feature-store.md, "Capture audit"). A shard fails only when its figure is past
+the threshold with ``SIGMAS`` standard errors to spare (a row's NLL excess varies by ~2.5 nats), so a
+small shard of a healthy capture does not fail by chance while a gross fault fails on a few rows.
+No Ray in here.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -27,6 +31,7 @@ from eagle3_ray.audit.rows import NORM_TOLERANCE, RowFigures, normed_rms
 from eagle3_ray.errors import AuditFailed
 
 MIN_ROWS = 32  # a shard's figure is judged over at least this many rows (fewer: reported, not judged)
+SIGMAS = 3.0  # a figure fails when it is past its threshold by this many standard errors
 
 CAUSES = {
     "unnormed": "last_hidden is not the final norm's output (an aux layer's or the pre-norm state: the aux/last "
@@ -50,6 +55,7 @@ class SampleAudit:
     rows: int = 0  # audited rows that predict an assistant token
     nll: float = 0.0  # summed over those rows
     entropy: float = 0.0  # summed over those rows
+    excess_sq: float = 0.0  # (nll - entropy) ** 2 summed over those rows
     greedy_rows: int = 0  # of them, rows in an answer this target wrote greedily
     agree: int = 0  # of those, rows whose argmax is the next token
     norm_rows: int = 0  # rows whose last_hidden was checked against the final norm (every row)
@@ -66,6 +72,17 @@ class SampleAudit:
 
     def count(self, figure: str) -> int:
         return {"unnormed": self.norm_rows, "agreement": self.greedy_rows}.get(figure, self.rows)
+
+    def bound(self, figure: str) -> float | None:
+        """The figure moved ``SIGMAS`` standard errors toward healthy: the agreement's upper bound,
+        the NLL excess's lower bound (the unnormed share as it is: a healthy capture has none)."""
+        value, n = self.value(figure), self.count(figure)
+        if value is None or figure == "unnormed":
+            return value
+        if figure == "agreement":
+            return value + SIGMAS * math.sqrt(max(value * (1.0 - value), 1.0 / n) / n)
+        var = max(self.excess_sq / n - value * value, 0.0)
+        return value - SIGMAS * math.sqrt(var / n)
 
 
 def audit_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, figures: RowFigures | None,
@@ -85,6 +102,7 @@ def audit_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tenso
         out.rows = int(answer.sum())
         out.nll = float(fig.nll[answer].double().sum())
         out.entropy = float(fig.entropy[answer].double().sum())
+        out.excess_sq = float((fig.nll[answer].double() - fig.entropy[answer].double()).pow(2).sum())
         if greedy:
             out.greedy_rows = out.rows
             out.agree = int((fig.argmax[answer] == ids[nxt][answer]).sum())
@@ -112,6 +130,9 @@ class ShardAudit:
     def value(self, figure: str) -> float | None:
         return self.merged().value(figure)
 
+    def bound(self, figure: str) -> float | None:
+        return self.merged().bound(figure)
+
     def merged(self) -> SampleAudit:
         """The shard's sums as one SampleAudit (without aux_rms)."""
         return SampleAudit("", **{k: self.total(k) for k in SUMS})
@@ -132,6 +153,8 @@ class ShardAudit:
             "nll": _r(self.total("nll") / rows) if rows else None,
             "entropy": _r(self.total("entropy") / rows) if rows else None,
             "nll_excess": _r(self.value("nll_excess")),
+            "nll_excess_std": _r(math.sqrt(max(self.total("excess_sq") / rows - self.value("nll_excess") ** 2, 0.0)))
+            if rows else None,
             "greedy_rows": self.count("agreement"),
             "agreement": _r(self.value("agreement")),
             "norm_rows": self.count("unnormed"),
@@ -165,7 +188,7 @@ class AuditPolicy:
     def failing(self, shard: ShardAudit) -> str | None:
         """The first figure of ``shard`` that breaks its threshold (norm, agreement, NLL), or None."""
         for figure in ("unnormed", "agreement", "nll_excess"):
-            value = shard.value(figure)
+            value = shard.bound(figure)
             if value is None or shard.count(figure) < MIN_ROWS:
                 continue
             bad = value < self.min_agreement if figure == "agreement" else value > self.threshold(figure)
@@ -190,25 +213,29 @@ def worst_sample(shard: ShardAudit, figure: str) -> SampleAudit | None:
 
 
 def failure_line(where: str, figure: str, shard: ShardAudit, threshold: float) -> str:
-    value, rows = shard.value(figure), shard.count(figure)
+    value, bound, rows = shard.value(figure), shard.bound(figure), shard.count(figure)
     op = "<" if figure == "agreement" else ">"
+    margin = "" if figure == "unnormed" else f" ({'at most' if figure == 'agreement' else 'at least'} {bound:.3f} " \
+        f"at {SIGMAS:g} sigma)"
     worst = worst_sample(shard, figure)
     sample = f"; worst sample {worst.sample_id!r}: {worst.value(figure):.3f} over {worst.count(figure)} rows" \
         if worst is not None else ""
-    return (f"{where} fails the capture audit: {figure} {value:.3f} {op} {KEYS[figure]}={threshold:g} over {rows} "
-            f"rows{sample}. Likely causes, most likely first: {CAUSES[figure]}. Shards committed before it are "
+    return (f"{where} fails the capture audit: {figure} {value:.3f}{margin} {op} {KEYS[figure]}={threshold:g} over "
+            f"{rows} rows{sample}. Likely causes, most likely first: {CAUSES[figure]}. Shards committed before it are "
             f"valid and kept: fix the cause and rerun the same command to resume (docs/feature-store.md, "
             f"\"Capture audit\")")
 
 
-SUMS = ("rows", "nll", "entropy", "greedy_rows", "agree", "norm_rows", "unnormed")
+SUMS = ("rows", "nll", "entropy", "excess_sq", "greedy_rows", "agree", "norm_rows", "unnormed")
 
 
 def sums_from_json(fig: dict[str, Any]) -> SampleAudit:
     """A shard's sums back from its ``to_json`` figures (means times rows), to merge shards."""
     rows, greedy = int(fig.get("rows") or 0), int(fig.get("greedy_rows") or 0)
     norm_rows = int(fig.get("norm_rows") or 0)
+    excess, std = fig.get("nll_excess") or 0.0, fig.get("nll_excess_std") or 0.0
     return SampleAudit("", rows=rows, nll=(fig.get("nll") or 0.0) * rows, entropy=(fig.get("entropy") or 0.0) * rows,
+                       excess_sq=(std * std + excess * excess) * rows,
                        greedy_rows=greedy, agree=round((fig.get("agreement") or 0.0) * greedy),
                        norm_rows=norm_rows, unnormed=round((fig.get("unnormed") or 0.0) * norm_rows))
 

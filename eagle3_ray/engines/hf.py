@@ -176,6 +176,22 @@ class HFEngine:
         aux = torch.cat(self._select.take(out.hidden_states), dim=-1)  # [B, T, 3H]
         return aux, out.last_hidden_state
 
+    @torch.inference_mode()
+    def aux_layer_sources(self, seq: Sequence[int]) -> list[int]:
+        """A reference capture of ``seq``: for each aux block of ``capture([seq])``, the index k of
+        transformers' full ``hidden_states`` tuple (every layer, ``output_hidden_states=True``) it is
+        nearest to. Equals ``info.aux_layers`` when the capture takes the states its ids name."""
+        ids = self._as_ids(seq, "reference sequence")
+        aux = self.capture([ids.tolist()])[0].aux_hidden.float()  # [T, 3H]
+        out = self.target.model.model(input_ids=ids[None].to(self.target.device), output_hidden_states=True,
+                                      use_cache=False)
+        states = [h[0].float().cpu() for h in out.hidden_states]  # L + 1 of [T, H]
+        found = []
+        for block in aux.split(self.info.hidden_size, dim=-1):
+            gaps = [float((block - s).norm() / s.norm().clamp_min(1e-12)) for s in states]
+            found.append(min(range(len(gaps)), key=gaps.__getitem__))
+        return found
+
     @contextmanager
     def capture_stream(self) -> Iterator[None]:
         """Run the block on the calling thread's own CUDA stream and wait for that stream on exit.

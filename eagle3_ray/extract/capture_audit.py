@@ -17,11 +17,12 @@ import torch
 
 from eagle3_ray.audit.figures import AuditPolicy, SampleAudit, ShardAudit, audit_sample
 from eagle3_ray.config import ExtractConfig, TargetConfig
+from eagle3_ray.errors import AuditFailed
 
 log = logging.getLogger(__name__)
 
 # Per-sample columns an offline extraction batch returns to the driver (its progress line).
-COLUMNS = ("rows", "nll", "entropy", "greedy_rows", "agree", "norm_rows", "unnormed")
+COLUMNS = ("rows", "nll", "entropy", "excess_sq", "greedy_rows", "agree", "norm_rows", "unnormed")
 
 
 class CaptureAudit:
@@ -34,6 +35,7 @@ class CaptureAudit:
         self.policy = AuditPolicy.from_config(extract)
         self.fingerprint, self.run, self.stage = fingerprint, run, stage
         self.norm = _final_norm_weight(engine, target) if self.policy.max_unnormed < 1.0 else None
+        check_aux_layers(engine)
 
     def sample(self, sample_id: str, input_ids: Any, loss_mask: Any, capture: Any, greedy_by: str) -> SampleAudit:
         return audit_sample(sample_id, torch.as_tensor(np.asarray(input_ids)), torch.as_tensor(np.asarray(loss_mask)),
@@ -53,6 +55,28 @@ class CaptureAudit:
         audits = [n for n in notes if n is not None]
         figures = self.check(f"shard {name}", audits)
         return {"audit": figures, "greedy_ids": [a.sample_id for a in audits if a.greedy]}
+
+
+REFERENCE_TOKENS = 32  # the reference capture's length
+
+
+def check_aux_layers(engine: Any) -> None:
+    """The lm_head cannot see which layers the aux states came from: an engine that can make a
+    reference capture (``aux_layer_sources``: the HF engine) captures a short sequence both ways at
+    the start, and ``AuditFailed`` names the states it took when they are not ``info.aux_layers``."""
+    sources = getattr(engine, "aux_layer_sources", None)
+    if sources is None:
+        return
+    info = engine.info
+    seq = torch.randint(0, info.vocab_size, (REFERENCE_TOKENS,), generator=torch.Generator().manual_seed(0))
+    got = sources(seq.tolist())
+    if got != list(info.aux_layers):
+        raise AuditFailed(
+            f"the capture's aux states are hidden_states {got} of a reference forward of {REFERENCE_TOKENS} tokens, "
+            f"not target.aux_layers={list(info.aux_layers)} (HF hidden_states indices, docs/contracts.md \"Aux layer "
+            "ids\"). Likely causes: the aux layer id convention (an id off by one: transformers' selective "
+            "output_hidden_states, engines/hidden_states.py); a capture of another layer set. Nothing was written"
+        )
 
 
 def columns(audits: Sequence[SampleAudit | None]) -> dict[str, np.ndarray]:
