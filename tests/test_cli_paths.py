@@ -195,6 +195,15 @@ CASES: list[tuple[str, Argv, str]] = [
     ("vocab_store_without_shards",
      lambda t: (_store(t / "f", shards=0), ["vocab", "-c", CI, "--features", str(t / "f"), "--out", str(t / "x")])[1],
      r"holds no completed shards .*run or resume `eagle3-ray extract --out"),
+    # verify
+    ("verify_features_missing", lambda t: ["verify", "--features", str(t / "f")],
+     r"--features .*/f does not exist; pass the --out of `eagle3-ray extract`"),
+    ("verify_features_is_a_file", lambda t: ["verify", "--features", str(_jsonl(t / "f.jsonl", []))],
+     r"--features .*f\.jsonl is a file, not a directory"),
+    ("verify_features_without_its_config", lambda t: ["verify", "--features", str(_store(t / "f"))],
+     r"--features .*/f has no config\.resolved\.yaml; pass -c with the config it was extracted with"),
+    ("verify_features_without_a_store", lambda t: ["verify", "-c", CI, "--features", str(t)],
+     r"no feature store at .* \(store_meta\.json missing\)"),
     # train
     ("train_vocab_missing",
      lambda t: ["train", "-c", CI, "--features", str(_store(t / "f")), "--vocab", str(t / "v"), "--out", str(t / "x")],

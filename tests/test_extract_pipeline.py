@@ -46,7 +46,8 @@ def test_prepare_writes_tokenized_samples_and_resolved_config(prepared):
     out, summary = prepared
     table = pq.read_table(out / "prepared.parquet")
     assert table.num_rows == summary.samples == 12
-    assert table.schema.names == ["sample_id", "source", "input_ids", "loss_mask", "num_tokens"]
+    assert table.schema.names == ["sample_id", "source", "greedy_by", "input_ids", "loss_mask", "num_tokens"]
+    assert set(table.column("greedy_by").to_pylist()) == {""}  # written answers, none the target's greedy ones
     for col, dtype in (("input_ids", pa.int32()), ("loss_mask", pa.uint8())):  # list columns, not tensors
         assert pa.types.is_list(table.schema.field(col).type) and table.schema.field(col).type.value_type == dtype
     sids = table.column("sample_id").to_pylist()
@@ -115,6 +116,22 @@ def test_extract_captures_every_sample_exactly_as_the_engine(store_dir, prepared
     assert torch.equal(rec["last_hidden"], cap.last_hidden.to(torch.bfloat16))
     H = engine.info.hidden_size
     assert rec["aux_hidden"].shape == (rec["input_ids"].numel(), 3 * H)
+
+
+def test_extract_audits_every_shard_and_sums_the_figures_in_its_summary(store_dir):
+    from eagle3_ray.features import open_store
+    from eagle3_ray.features.store import manifest
+
+    store, markers = open_store(store_dir), manifest(store_dir)
+    assert len(markers) == len(store.shards) > 1
+    for m in markers:
+        audit = m["audit"]
+        assert audit["norm_rows"] == m["tokens"] and audit["unnormed"] == 0.0  # every row is the norm's output
+        assert audit["rows"] > 0 and abs(audit["nll_excess"]) < 0.2  # a random target: NLL = entropy = log V
+        assert audit["greedy_rows"] == 0 and audit["agreement"] is None and m["greedy_ids"] == []
+    summary = json.loads((store_dir / "summary.json").read_text())["audit"]
+    assert summary["norm_rows"] == store.num_tokens
+    assert summary["rows"] == sum(m["audit"]["rows"] for m in markers)
 
 
 def test_extract_rerun_skips_completed_samples(store_dir, prepared, cfg):

@@ -179,7 +179,7 @@ def test_one_answer_per_prompt_writes_what_the_stage_wrote_before_copies(actor, 
     before = tmp_path / "before.jsonl"
     ordered, _ = generation_order(samples, actor.tokenizer, 256)
     self_distill(actor.engine, actor.tokenizer, ordered, before, max_new_tokens=4, temperature=0.0, top_p=1.0,
-                 batch_size=2, seed=0)
+                 batch_size=2, seed=0, answered_by=actor.fingerprint)  # the actor marks its greedy answers
     for i, gen in enumerate([_gen(), _gen(samples_per_prompt=1, sample_temperature=0.7)]):
         part = tmp_path / f"part{i}.jsonl"
         summary = actor.run(samples, str(part), gen, max_length=256)

@@ -30,7 +30,7 @@ def verify_command(args: argparse.Namespace) -> int:
     from eagle3_ray.config import RESOLVED_CONFIG_NAME, load_config
     from eagle3_ray.errors import ConfigError, require_dir
 
-    root = require_dir(args.features, "--features", "pass a feature store directory (extract's --out)", ConfigError)
+    root = require_dir(args.features, "--features", "pass the --out of `eagle3-ray extract`", ConfigError)
     stored = root / RESOLVED_CONFIG_NAME
     config = args.config or (str(stored) if stored.is_file() else None)
     if config is None:

@@ -121,7 +121,7 @@ def normed_rms(last_hidden: torch.Tensor, norm_weight: torch.Tensor) -> torch.Te
     ``x * w / rms(x)`` (up to its eps and bf16 rounding); far from 1 for a state that did not come
     out of the final norm (an aux layer's residual stream, rows never written). Dimensions whose
     weight is (nearly) zero are left out."""
-    w = norm_weight.float().to(last_hidden.device)
+    w = norm_weight.detach().float().to(last_hidden.device)
     keep = w.abs() > 1e-6 * float(w.abs().max())
     x = last_hidden.float()[:, keep] / w[keep]
     return x.pow(2).mean(-1).sqrt()
