@@ -117,7 +117,7 @@ class SGLangEngine:
 
     def _kwargs(self) -> dict[str, Any]:
         return engine_kwargs(self._target, self.mode, info=self.info, capture_dir=self._dir, node_rank=self._node_rank,
-                             max_batch=self._max_batch)
+                             max_batch=self._max_batch, audit_share=self.audit_share)
 
     def _start(self) -> None:
         if self._root is not None:  # a fresh directory per engine: a dead engine's files stay behind

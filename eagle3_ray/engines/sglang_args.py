@@ -204,12 +204,14 @@ def _spec_kwargs(drafter_dir: str | Path | None, bench: BenchConfig | None,
 
 
 def _capture_kwargs(
-    target: TargetConfig, info: EngineInfo, capture_dir: str | Path | None, fields: frozenset[str]
+    target: TargetConfig, info: EngineInfo, capture_dir: str | Path | None, fields: frozenset[str],
+    audit_share: float = 0.0,
 ) -> dict[str, Any]:
     if capture_dir is None:
         raise ConfigError("mode='capture' needs capture_dir (where the hook writes features)")
     ids = sglang_aux_ids(info.aux_layers, info.model_type, info.num_layers)  # also refuses index L
     hook_config = {"dir": str(capture_dir), "tp_size": target.tp_size}
+    audit = {"audit_share": audit_share} if audit_share > 0 else {}  # the logits_processor hook's capture audit
     forced = {k: v for k, (v, _) in CAPTURE_FORCED.items()}
     # Exact module names of the class SGLang builds (a wrapper such as Kimi-K2.5 nests its text model).
     paths = sglang_module_paths(info.architectures, target.sglang.extra_engine_kwargs)
@@ -221,7 +223,7 @@ def _capture_kwargs(
                 "target with target.backend=hf, or with an SGLang without that flag (sglang 0.5.17: layer hooks)"
             )
         lp_hook = {"name": HOOK_NAME, "target_modules": [paths.logits_processor], "hook_factory": FACTORY_PATH,
-                   "config": hook_config}
+                   "config": {**hook_config, **audit}}
         return {**forced, **{k: v for k, (v, _) in CAPTURE_FORCED_AUX_FLAG.items()},
                 "return_aux_hidden_state_layer_ids": ids, "forward_hooks": [lp_hook]}
     if info.model_type not in LAYER_HOOK_MODELS:
@@ -238,7 +240,7 @@ def _capture_kwargs(
         for slot, k in enumerate(info.aux_layers)
     ]
     lp_hook = {"name": HOOK_NAME, "target_modules": [paths.logits_processor], "hook_factory": FACTORY_PATH,
-               "config": {**hook_config, "layer_slots": len(info.aux_layers)}}
+               "config": {**hook_config, "layer_slots": len(info.aux_layers), **audit}}
     return {**forced, "forward_hooks": [*layer_hooks, lp_hook]}
 
 
@@ -254,6 +256,7 @@ def engine_kwargs(
     fields: frozenset[str] | None = None,
     spec_shape: Literal["chain", "tree"] | None = None,
     max_batch: int | None = None,
+    audit_share: float = 0.0,
 ) -> dict[str, Any]:
     """The exact kwargs given to ``sglang.Engine`` for ``mode``.
 
@@ -264,6 +267,7 @@ def engine_kwargs(
     ``fields`` (the ServerArgs field names, which pick the capture path) from the installed SGLang.
     ``max_batch`` (generate): the requests of one call (``generate.batch_size``): the decode batch CUDA
     graphs are captured up to (``graph_max_bs``) and the most requests SGLang runs at once.
+    ``audit_share`` (capture): the capture audit's share of rows, computed by the hook on every TP rank.
     """
     if mode not in MODES:
         raise ConfigError(f"engine mode {mode!r} is unknown; use one of {MODES}")
@@ -275,7 +279,8 @@ def engine_kwargs(
             from eagle3_ray.engines.describe import describe_target
 
             info = describe_target(config)
-        kw.update(_capture_kwargs(config, info, capture_dir, server_args_fields() if fields is None else fields))
+        kw.update(_capture_kwargs(config, info, capture_dir, server_args_fields() if fields is None else fields,
+                                  audit_share))
     elif mode == "spec":
         kw.update(_spec_kwargs(drafter_dir, bench, spec_shape))
     kw = {**kw, **extra}

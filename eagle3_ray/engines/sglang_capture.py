@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_ray.audit.rows import RowFigures
 from eagle3_ray.engines.base import Capture
 from eagle3_ray.engines.sglang_hooks import CAPTURE_SUFFIX
 from eagle3_ray.errors import ConfigError, EngineError
@@ -40,7 +41,8 @@ def _map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
     """Map one request's link to its batch's hook file, take the request's rows (views, no copy),
-    check they cover the whole sequence, and delete the link."""
+    check they cover the whole sequence, and delete the link. The request's capture audit figures
+    come with it where the hook computed them (``Capture.audit``; None where it did not)."""
     rid = path.name.removesuffix(CAPTURE_SUFFIX)
     tensors, meta = _map_safetensors(path)
     path.unlink()
@@ -61,7 +63,11 @@ def read_capture(path: Path, num_tokens: int, hidden_size: int) -> Capture:
             f"captured aux {tuple(aux.shape)} / last {tuple(last.shape)} do not match hidden size {hidden_size} "
             "with 3 aux layers; the SGLang model captured another layer set"
         )
-    return Capture(aux_hidden=aux, last_hidden=last)
+    audit = None
+    if "audit" in tensors and rid in (index := json.loads(meta.get("audit", "{}"))):
+        first, count = index[rid]
+        audit = RowFigures.unpacked(tensors["audit"][first:first + count].clone())
+    return Capture(aux_hidden=aux, last_hidden=last, audit=audit)
 
 
 def check_hard_links(directory: Path) -> None:

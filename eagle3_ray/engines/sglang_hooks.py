@@ -21,7 +21,12 @@ final norm (the lm_head input). N is the sum of the batch's extend lengths, requ
   their rows here, in this process, and the ``logits_processor`` hook of the same forward takes them.
 
 Only TP rank 0 writes: every rank holds the same full rows, and one writing rank keeps
-/dev/shm traffic at one copy. The hook does not stall the forward: it starts non-blocking copies
+/dev/shm traffic at one copy. With a capture audit share (``audit_share`` in the hook's config, from
+``extract.audit_rows``) the hook also computes the audit's figures of ``audit_positions`` of each
+request (``eagle3_ray/audit/rows.py``) with the model's own lm_head, on the GPU: at TP > 1 the lm_head
+is vocab-parallel, so every TP rank gets the hook, computes its vocab slice's partials of those rows
+and the ranks all-gather them (20 bytes a row and rank); rank 0 merges them and writes the figures
+into the batch's file (tensor ``audit`` [n, 4], metadata ``audit`` = {rid: [first row, rows]}). The hook does not stall the forward: it starts non-blocking copies
 of the batch's rows to pinned host buffers on a side stream and hands them to a writer thread of
 the scheduler process, which waits for the copy and writes. Each forward batch becomes one
 safetensors file holding ``aux_hidden`` [N, 3H] and ``last_hidden`` [N, H] in the model dtype and,
@@ -49,6 +54,8 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3_ray.audit.rows import RowFigures, audit_positions, combine_partials, vocab_partials
+
 logger = logging.getLogger(__name__)
 
 CAPTURE_SUFFIX = ".safetensors"
@@ -57,7 +64,7 @@ LAYER_FACTORY_PATH = "eagle3_ray.engines.sglang_hooks:layer_hook_factory"
 
 # Positions in LogitsProcessor.forward(input_ids, hidden_states, lm_head, logits_metadata,
 # aux_hidden_states, ...) (sglang/srt/layers/logits_processor.py); pinned by the contract tests.
-HIDDEN_ARG, BATCH_ARG, AUX_ARG = 1, 3, 4
+HIDDEN_ARG, LM_HEAD_ARG, BATCH_ARG, AUX_ARG = 1, 2, 3, 4
 # Position of forward_batch in a decoder layer's forward(positions, hidden_states, forward_batch,
 # residual) (models/llama.py, qwen2.py, qwen3.py); pinned by the contract tests.
 LAYER_BATCH_ARG = 2
@@ -88,24 +95,91 @@ _LAYER_ROWS: dict[str, dict[int, torch.Tensor]] = {}
 def capture_hook_factory(config: dict[str, Any]) -> Callable | None:
     """``hook_factory`` of the ``logits_processor`` spec.
 
-    config = {"dir": str, "tp_size": int, "layer_slots": int}; ``layer_slots`` > 0 means the aux
-    states come from that many layer hooks (``layer_hook_factory``) rather than from SGLang. Returns
-    None on TP ranks other than 0; SGLang then registers nothing there.
+    config = {"dir": str, "tp_size": int, "layer_slots": int, "audit_share": float}; ``layer_slots``
+    > 0 means the aux states come from that many layer hooks (``layer_hook_factory``) rather than from
+    SGLang; ``audit_share`` > 0: the capture audit's figures of that share of rows (every TP rank takes
+    part). Returns None on TP ranks other than 0 without an audit; SGLang then registers nothing there.
     """
-    if world_rank() % int(config["tp_size"]) != 0:
+    share = float(config.get("audit_share", 0.0))
+    writes = world_rank() % int(config["tp_size"]) == 0
+    if not writes and share <= 0:
         return None
     directory = Path(config["dir"])
-    directory.mkdir(parents=True, exist_ok=True)
     slots, key = int(config.get("layer_slots", 0)), str(directory)
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
 
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
         t0 = time.perf_counter()
-        batch = batch_rows(args, slots, key)
+        if not _is_prefill(args[BATCH_ARG]):
+            return None
+        audit = audit_rows(args[BATCH_ARG], args[HIDDEN_ARG], args[LM_HEAD_ARG], share) if share > 0 else None
+        batch = batch_rows(args, slots, key) if writes else None
         if batch is not None:
-            write_batch(directory, *batch, t0=t0)
+            write_batch(directory, *batch, t0=t0, audit=audit)
         return None
 
     return hook
+
+
+def vocab_slice(lm_head: torch.nn.Module) -> tuple[torch.Tensor, int, int]:
+    """(this rank's rows of the lm_head [V_slice, H] without padding, the id of its first row, the
+    number of slices the vocab is split into). SGLang's ``ParallelLMHead`` (a
+    ``VocabParallelEmbedding``) keeps rank r's slice of the original vocab in its first
+    ``shard_indices.num_org_elements`` rows; a plain linear holds the whole vocab."""
+    shard = getattr(lm_head, "shard_indices", None)
+    if shard is None:
+        return lm_head.weight, 0, 1
+    if getattr(lm_head, "use_attn_tp_group", False):
+        raise RuntimeError("the capture audit does not read an lm_head split over the attention TP group "
+                           "(data-parallel attention); set extract.audit_rows=0")
+    return lm_head.weight[: shard.num_org_elements], int(shard.org_vocab_start_index), int(getattr(lm_head, "tp_size", 1))
+
+
+def _gather_slices(parts: torch.Tensor, slices: int) -> torch.Tensor:
+    """[slices, n, k]: every TP rank's ``parts`` [n, k], in rank order (= vocab order), gathered over
+    SGLang's TP group (the default group where SGLang's is not set up: a test's gloo ranks)."""
+    if slices == 1:
+        return parts[None]
+    group = None
+    try:
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group().device_group
+    except (ImportError, AssertionError):
+        pass
+    out = [torch.empty_like(parts) for _ in range(slices)]
+    torch.distributed.all_gather(out, parts.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def audit_rows(forward_batch: Any, hidden: torch.Tensor, lm_head: torch.nn.Module,
+               share: float) -> tuple[torch.Tensor, dict[str, list[int]]] | None:
+    """The audit figures of ``audit_positions(rows, share)`` of each request of an extend batch, with
+    ``lm_head`` (vocab-parallel: every TP rank calls this with the same batch): ([n, 4] float32 on
+    the device, {rid: [first row, rows]}); on ranks other than the writing one the figures are
+    computed too (the gather needs every rank) and dropped by the caller. None when the lm_head
+    cannot be read (said in SGLang's log; the engine then reports captures without figures)."""
+    lens = forward_batch.extend_seq_lens_cpu
+    if lens is None:
+        lens = forward_batch.extend_seq_lens.tolist()
+    local, rows, index, start = [], [], {}, 0
+    for rid, n in zip(forward_batch.rids, lens):
+        pos = audit_positions(int(n), share)
+        index[rid] = [sum(len(p) for p in local), len(pos)]
+        local.append(pos)
+        rows.append(pos + start)
+        start += int(n)
+    positions, flat = torch.cat(local), torch.cat(rows).to(hidden.device)
+    try:
+        weight, vocab_start, slices = vocab_slice(lm_head)
+    except (AttributeError, RuntimeError) as e:
+        logger.error("eagle3_ray capture audit: cannot read the lm_head (%s)", e)
+        return None
+    next_ids = forward_batch.input_ids[flat + 1]
+    nll, entropy, argmax = combine_partials(_gather_slices(vocab_partials(hidden[flat], weight, next_ids, vocab_start),
+                                                           slices))
+    return RowFigures(positions.to(nll.device), nll, entropy, argmax).packed(), index
 
 
 def batch_rows(args: tuple, slots: int, key: str) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
@@ -152,13 +226,15 @@ def write_batch(
     hidden: torch.Tensor,  # [N, H] post-final-norm
     aux: torch.Tensor,  # [N, 3H]
     t0: float | None = None,
+    audit: tuple[torch.Tensor, dict[str, list[int]]] | None = None,
 ) -> None:
     """Hand one extend batch to the writer threads, which write it as one file linked per request.
 
     On CUDA the rows go to pinned host buffers with non-blocking copies on a side stream, so the
     forward is not stalled by the device-to-host copy or the file writes; a writer waits for the
     copy's event, then writes. ``flush()`` waits until every batch handed over so far is written.
-    ``t0``: when the hook began (the writer's ``hook_s`` counts from it; default: now).
+    ``t0``: when the hook began (the writer's ``hook_s`` counts from it; default: now). ``audit``:
+    the capture audit's figures of the batch (``audit_rows``), written into the same file.
     """
     t0 = time.perf_counter() if t0 is None else t0
     lens = forward_batch.extend_seq_lens_cpu
@@ -168,8 +244,9 @@ def write_batch(
     # zip stops at the real requests: padded batch slots have no rid.
     reqs = [(rid, int(n), int(c)) for rid, n, c in zip(forward_batch.rids, lens, prefix)]
     rows = sum(n for _, n, _ in reqs)
-    host_aux, host_last, ready = to_host(aux[:rows], hidden[:rows])
-    writer().put(Path(directory), reqs, host_aux, host_last, ready, t0)
+    hosts, ready = to_host_all([aux[:rows], hidden[:rows], *([audit[0]] if audit is not None else [])])
+    host_audit = (hosts[2], audit[1]) if audit is not None else None
+    writer().put(Path(directory), reqs, hosts[0], hosts[1], ready, t0, audit=host_audit)
 
 
 def flush(timeout: float | None = None) -> None:
@@ -181,24 +258,29 @@ def flush(timeout: float | None = None) -> None:
 
 def to_host(aux: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Start copying both tensors to host memory; returns them and an event to wait on (or None)."""
-    if not aux.is_cuda:
-        return aux.detach().clone(), last.detach().clone(), None
+    (host_aux, host_last), done = to_host_all([aux, last])
+    return host_aux, host_last, done
+
+
+def to_host_all(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """``to_host`` of any tensors on one device: their host copies and one event for them all."""
+    if not tensors[0].is_cuda:
+        return [t.detach().clone() for t in tensors], None
     global _SIDE_STREAM
     if _SIDE_STREAM is None:
-        _SIDE_STREAM = torch.cuda.Stream(device=aux.device)
-    side, main = _SIDE_STREAM, torch.cuda.current_stream(aux.device)
-    host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)  # torch caches pinned blocks
-    host_last = torch.empty(last.shape, dtype=last.dtype, pin_memory=True)
+        _SIDE_STREAM = torch.cuda.Stream(device=tensors[0].device)
+    side, main = _SIDE_STREAM, torch.cuda.current_stream(tensors[0].device)
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]  # torch caches pinned blocks
     side.wait_stream(main)  # the rows are final once the forward's work so far is done
     with torch.cuda.stream(side):
-        host_aux.copy_(aux.detach(), non_blocking=True)
-        host_last.copy_(last.detach(), non_blocking=True)
+        for h, t in zip(hosts, tensors):
+            h.copy_(t.detach(), non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
     # The caching allocator must not hand these blocks to the next forward before the copy ends.
-    aux.record_stream(side)
-    last.record_stream(side)
-    return host_aux, host_last, done
+    for t in tensors:
+        t.record_stream(side)
+    return hosts, done
 
 
 _SIDE_STREAM: Any = None
@@ -235,13 +317,13 @@ class _Writer:
             threading.Thread(target=self._run, name=f"eagle3-ray-capture-writer-{i}", daemon=True).start()
 
     def put(self, directory: Path, reqs: list, host_aux: torch.Tensor, host_last: torch.Tensor, ready: Any,
-            t0: float | None = None) -> None:
+            t0: float | None = None, audit: tuple[torch.Tensor, dict] | None = None) -> None:
         """Queue a batch's host rows (``ready``: the copy's event, or None) for a writer; with no
-        ``reqs`` the writer waits for the copy and writes nothing."""
+        ``reqs`` the writer waits for the copy and writes nothing. ``audit``: its audit figures."""
         with self._done:
             self._submitted += 1
         t = time.perf_counter()
-        self._queue.put((directory, reqs, host_aux, host_last, ready))
+        self._queue.put((directory, reqs, host_aux, host_last, ready, audit))
         now = time.perf_counter()
         with self._done:
             self._stats["put_blocked_s"] += now - t
@@ -259,7 +341,7 @@ class _Writer:
 
     def _run(self) -> None:
         while True:
-            directory, reqs, host_aux, host_last, ready = self._queue.get()
+            directory, reqs, host_aux, host_last, ready, audit = self._queue.get()
             t0 = time.perf_counter()
             try:
                 if ready is not None:
@@ -267,7 +349,7 @@ class _Writer:
                 t1 = time.perf_counter()
                 start = sum(n for _, n, _ in reqs)
                 if reqs:
-                    write_linked(directory, reqs, host_aux[:start], host_last[:start])
+                    write_linked(directory, reqs, host_aux[:start], host_last[:start], audit)
                 t2 = time.perf_counter()
                 with self._done:
                     st = self._stats
@@ -341,17 +423,23 @@ def _write_all(fd: int, parts: list) -> None:
             views[0] = views[0][done:]
 
 
-def write_linked(directory: Path, reqs: list, aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+def write_linked(directory: Path, reqs: list, aux_hidden: torch.Tensor, last_hidden: torch.Tensor,
+                 audit: tuple[torch.Tensor, dict] | None = None) -> None:
     """One safetensors file for a batch's rows (``aux_hidden`` [N, 3H], ``last_hidden`` [N, H]), with
     ``requests`` = {rid: [first row, rows, cached prefix]} as metadata, and one hard link to it per
     request, ``capture_path(directory, rid)``. Written by hand: the header, then the tensors' bytes
-    straight from the (pinned) buffers in one ``writev`` (``safetensors.save_file`` copies twice)."""
+    straight from the (pinned) buffers in one ``writev`` (``safetensors.save_file`` copies twice).
+    ``audit``: ([n, 4] float32 figures, {rid: [first row, rows]}), stored as tensor and metadata
+    ``audit``."""
     index, start = {}, 0
     for rid, n, cached in reqs:
         index[rid] = [start, n, cached]
         start += n
     tensors = {"aux_hidden": aux_hidden, "last_hidden": last_hidden}
     header: dict[str, Any] = {"__metadata__": {"requests": json.dumps(index, separators=(",", ":"))}}
+    if audit is not None:
+        tensors["audit"] = audit[0]
+        header["__metadata__"]["audit"] = json.dumps(audit[1], separators=(",", ":"))
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()

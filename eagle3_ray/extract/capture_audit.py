@@ -32,12 +32,18 @@ class CaptureAudit:
                  run: str = "", stage: str = "capture"):
         """``fingerprint``: the store's ``target_fingerprint``, which the generate stage writes as
         ``greedy_by`` on this target's greedy answers."""
-        self.policy = AuditPolicy.from_config(extract)
+        self.policy, self.share = AuditPolicy.from_config(extract), extract.audit_rows
         self.fingerprint, self.run, self.stage = fingerprint, run, stage
         self.norm = _final_norm_weight(engine, target) if self.policy.max_unnormed < 1.0 else None
         check_aux_layers(engine)
 
     def sample(self, sample_id: str, input_ids: Any, loss_mask: Any, capture: Any, greedy_by: str) -> SampleAudit:
+        if self.share > 0 and capture.audit is None:
+            raise AuditFailed(
+                f"the engine returned no capture audit figures for sample {sample_id!r} (extract.audit_rows="
+                f"{self.share:g}): its lm_head could not be read where the states are (SGLang's log says why); set "
+                "extract.audit_rows=0 to extract without the lm_head audit (the final-norm check still runs)"
+            )
         return audit_sample(sample_id, torch.as_tensor(np.asarray(input_ids)), torch.as_tensor(np.asarray(loss_mask)),
                             capture.audit, bool(greedy_by) and greedy_by == self.fingerprint,
                             capture.last_hidden, capture.aux_hidden, self.norm)
