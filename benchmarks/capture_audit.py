@@ -105,14 +105,17 @@ def rows_to_catch(fig: dict, policy: AuditPolicy) -> dict:
     return out
 
 
-def time_capture(engine, seqs, share: float, repeats: int) -> float:
-    engine.audit_share = share
+def time_capture(engine, audit, seqs, share: float, repeats: int) -> float:
+    """The best wall time of capturing ``seqs`` and summing the capture actor's audit of them (share 0:
+    the capture and the final-norm check, which runs at every share)."""
+    engine.audit_share = audit.share = share
     best = float("inf")
     for _ in range(repeats):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.capture(seqs)
+        for s, c in zip(seqs, engine.capture(seqs)):
+            audit.sample("s", s, [1] * len(s), c, "")
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -212,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             if not seqs:
                 n, length = (int(x) for x in args.cost_seqs.split("x"))
                 seqs = torch.randint(0, engine.info.vocab_size, (n, length), generator=torch.Generator().manual_seed(0)).tolist()
-            base = time_capture(engine, seqs, 0.0, args.repeats)
+            base = time_capture(engine, audit, seqs, 0.0, args.repeats)
             result["cost"] = {"tokens": sum(map(len, seqs)), "seconds_share_0": round(base, 4)}
             for share in (float(s) for s in args.cost.split(",")):
-                t = time_capture(engine, seqs, share, args.repeats)
+                t = time_capture(engine, audit, seqs, share, args.repeats)
                 result["cost"][f"overhead_share_{share:g}"] = round(t / base - 1.0, 4)
             log(f"cost: {result['cost']}")
         engine.close()

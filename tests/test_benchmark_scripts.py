@@ -373,3 +373,17 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     assert les.main(["tau", "--bench", str(first), str(second), "--labels", "x,y", "--buckets", "256,512",
                      "--out", str(tmp_path / "pair.json")]) == 0
     assert json.loads((tmp_path / "pair.json").read_text())["paired"]["all"]["turns"] == 2
+
+
+def test_capture_audit_tiny_cpu_run(tmp_path):
+    """benchmarks/capture_audit.py on the tiny random target: answers, figures, every fault, the cost
+    and one lm_head shape, through the product's engine and capture audit."""
+    out = tmp_path / "audit.json"
+    _run(["benchmarks/capture_audit.py", "--target", "random:builtin:tiny-llama", "--prompts", "2",
+          "--max-new-tokens", "8", "--sets", "greedy,human", "--faults", "--cost", "0.1", "--repeats", "1",
+          "--shape", "64,1024,2", "--shape-rows", "16", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["healthy"]["greedy"]["failing"] is None and got["healthy"]["greedy"]["greedy_rows"] > 0
+    assert got["faults"]["aux_as_last"]["human"]["failing"] == "unnormed"
+    assert got["faults"]["aux_off_by_one"]["caught"] is True
+    assert "overhead_share_0.1" in got["cost"] and got["shape"][0]["gflop_per_row"] > 0

@@ -87,11 +87,12 @@ class SampleAudit:
 
 def audit_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, figures: RowFigures | None,
                  greedy: bool, last_hidden: torch.Tensor | None = None, aux_hidden: torch.Tensor | None = None,
-                 norm_weight: torch.Tensor | None = None) -> SampleAudit:
+                 norm_weight: torch.Tensor | None = None, normed: torch.Tensor | None = None) -> SampleAudit:
     """The audit sums of one sample: ``input_ids`` / ``loss_mask`` [T]; ``figures`` the row figures
     the engine computed (None: none); ``greedy``: its answers are this target's greedy ones;
-    ``last_hidden`` [T, H] and ``norm_weight`` [H] for the norm check of every row; ``aux_hidden``
-    [T, 3H] for the aux layers' RMS at the audited rows."""
+    ``last_hidden`` [T, H] and ``norm_weight`` [H] for the norm check of every row, or ``normed`` [T]
+    its ``normed_rms`` computed by the engine already; ``aux_hidden`` [T, 3H] for the aux layers' RMS
+    at the audited rows."""
     out = SampleAudit(sample_id, greedy=greedy)
     if figures is not None and figures.positions.numel():
         ids = input_ids.to(torch.int64).cpu()
@@ -111,10 +112,11 @@ def audit_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tenso
             layers = aux.view(aux.shape[0], 3, -1)
             out.aux_rows = aux.shape[0]
             out.aux_rms = [float(v) for v in layers.pow(2).mean(-1).sqrt().double().sum(0)]
-    if last_hidden is not None and norm_weight is not None:
-        rms = normed_rms(last_hidden, norm_weight)
-        out.norm_rows = int(rms.numel())
-        out.unnormed = int(((rms - 1.0).abs() > NORM_TOLERANCE).sum())
+    if normed is None and last_hidden is not None and norm_weight is not None:
+        normed = normed_rms(last_hidden, norm_weight)
+    if normed is not None:
+        out.norm_rows = int(normed.numel())
+        out.unnormed = int(((normed - 1.0).abs() > NORM_TOLERANCE).sum())
     return out
 
 

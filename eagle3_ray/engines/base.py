@@ -77,6 +77,9 @@ class Capture:
     # The capture audit's figures of some rows (audit/rows.py), computed by the engine with the target's
     # lm_head where the states are; None when the engine was built without an audit share.
     audit: RowFigures | None = None
+    # rms(last_hidden[t] / final norm weight) per row, float32 [T] (audit/rows.py: normed_rms), where the
+    # engine holds the norm next to the states (the HF engine); None: the actor computes it on the host.
+    normed: torch.Tensor | None = None
 
 
 @runtime_checkable

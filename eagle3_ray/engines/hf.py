@@ -16,7 +16,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from eagle3_ray.audit.rows import RowFigures, audit_positions, row_figures
+from eagle3_ray.audit.rows import RowFigures, audit_positions, normed_rms, row_figures
+from eagle3_ray.audit.weights import final_norm
 from eagle3_ray.config import TargetConfig
 from eagle3_ray.engines.base import Capture, EngineInfo, check_generate_args, cut_at_eos, resolve_aux_layers
 from eagle3_ray.engines.hidden_states import HiddenStateSelection
@@ -146,8 +147,12 @@ class HFEngine:
             # aux_dev/last_dev stay referenced until the stream is synchronised on leaving the block.
             aux, last = to_host([aux_dev, last_dev])
             audits = self._audit(input_ids, lengths, last_dev)  # queued after the copies
+            norm = final_norm(self.target.model)
+            normed = None if norm is None else normed_rms(last_dev.flatten(0, 1), norm.weight).view(last_dev.shape[:2])
         audits = [a.to("cpu") if a is not None else None for a in audits]
-        return [Capture(aux[row, :n], last[row, :n], audits[row]) for row, n in enumerate(lengths)]
+        normed = normed.cpu() if normed is not None else None  # [B, Tmax]
+        return [Capture(aux[row, :n], last[row, :n], audits[row], normed[row, :n] if normed is not None else None)
+                for row, n in enumerate(lengths)]
 
     def _audit(self, input_ids: torch.Tensor, lengths: list[int], last_dev: torch.Tensor) -> list[RowFigures | None]:
         """The audit figures of each row's ``audit_positions``, with the target's lm_head, on the device

@@ -46,7 +46,8 @@ class CaptureAudit:
             )
         return audit_sample(sample_id, torch.as_tensor(np.asarray(input_ids)), torch.as_tensor(np.asarray(loss_mask)),
                             capture.audit, bool(greedy_by) and greedy_by == self.fingerprint,
-                            capture.last_hidden, capture.aux_hidden, self.norm)
+                            capture.last_hidden, capture.aux_hidden, self.norm,
+                            getattr(capture, "normed", None) if self.norm is not None else None)
 
     def check(self, where: str, audits: Sequence[SampleAudit]) -> dict[str, Any]:
         """Judge one shard's samples (``AuditFailed`` naming ``where``); its figures, on the dashboard."""
