@@ -105,18 +105,20 @@ def rows_to_catch(fig: dict, policy: AuditPolicy) -> dict:
     return out
 
 
-def time_capture(engine, audit, seqs, share: float, repeats: int) -> float:
-    """The best wall time of capturing ``seqs`` and summing the capture actor's audit of them (share 0:
-    the capture and the final-norm check, which runs at every share)."""
-    engine.audit_share = audit.share = share
-    best = float("inf")
+def time_capture(engine, audit, seqs, shares: list[float], repeats: int) -> dict[float, float]:
+    """Per audit share, the best wall time of capturing ``seqs`` and summing the capture actor's audit
+    of them (share 0: the capture and the final-norm check, which runs at every share). The shares
+    take turns within each round, so that a machine's changing load falls on all of them alike."""
+    best = {share: float("inf") for share in shares}
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for s, c in zip(seqs, engine.capture(seqs)):
-            audit.sample("s", s, [1] * len(s), c, "")
-        best = min(best, time.perf_counter() - t)
+        for share in shares:
+            engine.audit_share = audit.share = share
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for s, c in zip(seqs, engine.capture(seqs)):
+                audit.sample("s", s, [1] * len(s), c, "")
+            best[share] = min(best[share], time.perf_counter() - t)
     return best
 
 
@@ -215,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             if not seqs:
                 n, length = (int(x) for x in args.cost_seqs.split("x"))
                 seqs = torch.randint(0, engine.info.vocab_size, (n, length), generator=torch.Generator().manual_seed(0)).tolist()
-            base = time_capture(engine, audit, seqs, 0.0, args.repeats)
-            result["cost"] = {"tokens": sum(map(len, seqs)), "seconds_share_0": round(base, 4)}
-            for share in (float(s) for s in args.cost.split(",")):
-                t = time_capture(engine, audit, seqs, share, args.repeats)
-                result["cost"][f"overhead_share_{share:g}"] = round(t / base - 1.0, 4)
+            shares = [float(s) for s in args.cost.split(",")]
+            best = time_capture(engine, audit, seqs, [0.0, *shares], args.repeats)
+            result["cost"] = {"tokens": sum(map(len, seqs)), "repeats": args.repeats,
+                              "seconds_share_0": round(best[0.0], 4)}
+            for share in shares:
+                result["cost"][f"overhead_share_{share:g}"] = round(best[share] / best[0.0] - 1.0, 4)
             log(f"cost: {result['cost']}")
         engine.close()
     if args.shape:
