@@ -23,7 +23,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.groups import base_id, sample_groups
+from eagle3_ray.data.groups import base_id
 from eagle3_ray.data.vocab import VOCAB_FILE, data_fingerprint, load_vocab_map, vocab_fingerprint
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
@@ -39,7 +39,7 @@ from eagle3_ray.train.checkpoint import (
 )
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
-from eagle3_ray.train.packing import Pack, holdout_groups, padding_efficiency, plan, plan_held_out, remap
+from eagle3_ray.train.packing import Pack, padding_efficiency, plan, plan_held_out, remap, split_store
 from eagle3_ray.train.step import resolve_attention
 
 
@@ -95,18 +95,14 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     # base id distinct) this is the plain per-sample split of earlier runs. Samples of the eval_only
     # groups are all held out; the share splits the rest.
     sample_ids = [str(sid) for sid in store.sample_ids]
-    groups = sample_groups(sample_ids, t.val_groups)
-    only = np.fromiter((g in t.eval_only for g in groups), dtype=bool, count=len(groups))
+    keep, held, only, groups = split_store(sample_ids, t.val_share, t.seed, t.val_groups, t.eval_only)
     for name in t.eval_only:
         if name not in groups:
             raise ConfigError(f"train.eval_only group {name!r} ({t.val_groups[name]!r}) matches no sample id of "
                               f"{features} (ids look like {sample_ids[:3]}); fix val_groups.{name} or drop it "
                               "from train.eval_only")
     rest = np.flatnonzero(~only)
-    prompts = [base_id(sample_ids[i]) for i in rest]
-    keep, held = holdout_groups(prompts, t.val_share, t.seed)
-    keep, held = rest[keep], np.sort(np.concatenate([rest[held], np.flatnonzero(only)]))
-    n_prompts = len(set(prompts))
+    n_prompts = len({base_id(sample_ids[i]) for i in rest})
     if t.val_share > 0 and len(held) == int(only.sum()):
         raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(rest)}-sample store "
                           f"({n_prompts} prompts; a prompt's answers are held out together); give a store of "
