@@ -26,7 +26,7 @@ set -uo pipefail
 : "${OUT:=$RUN/out}" "${GGUF:=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}" "${CONCURRENCY:=8}" "${MT_N:=80}" "${MT_TOKENS:=1024}"
 : "${CFG:=configs/smollm2-h200.yaml}"  # the CPU smoke (tests/test_benchmark_scripts.py) passes the demo preset
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1
-SGL_KW="target.sglang.extra_engine_kwargs={attention_backend:triton,sampling_backend:pytorch,grammar_backend:none}"
+SGL_KW="target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none}"
 mkdir -p "$RUN" "$OUT"
 cli() { python3 -m eagle3_ray.cli "$@"; }
 done_() { touch "$RUN/$1.done"; echo "[peers] $1 done at $(date +%T)"; }
