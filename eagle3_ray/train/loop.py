@@ -26,7 +26,7 @@ from eagle3_ray.data.vocab import load_vocab_map
 from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
-from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.drafter.ttt_metrics import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
 from eagle3_ray.drafter.ttt_attention import Segments
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
