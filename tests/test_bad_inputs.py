@@ -204,7 +204,7 @@ CASES = [
     Case("empty_conversation", lambda t: _read("empty_conversation.jsonl"), "quarantine", r"empty conversation", kept=1),
     Case("empty_content", lambda t: _read("empty_content.jsonl"), "quarantine", r"empty content", kept=1),
     Case("wrong_role_order", lambda t: _read("wrong_role_order.jsonl"), "quarantine", r"wrong role order", kept=1),
-    Case("unknown_role", lambda t: _read("unknown_role.jsonl"), "quarantine", r"unknown role 'tool'", kept=1),
+    Case("unknown_role", lambda t: _read("unknown_role.jsonl"), "quarantine", r"unknown role 'narrator'", kept=1),
     Case("unrecognised_shape", lambda t: _read("unrecognised_shape.jsonl"), "quarantine", r"expected|no known|record",
          kept=1),
     Case("duplicate_id", lambda t: _read("duplicate_id.jsonl"), "quarantine", r"duplicate id 'ok-1' \(first at", kept=2),
