@@ -181,3 +181,14 @@ def test_demo_agentic_is_three_dozen_agent_conversations():
     numbered = [s for s in items
                 if any(c["id"].startswith("functions.") for m in s.messages for c in m.get("tool_calls", []))]
     assert len(numbered) == 5  # the ShareGPT records: their calls have no ids
+
+
+def test_a_chat_record_without_answers_is_prompt_only(tmp_path):
+    """Several user turns in a row are a prompt-only conversation, answered turn by turn as MT-bench's turns
+    are; with an assistant turn anywhere they are a wrong order."""
+    record = {"id": "p", "messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Name a color."},
+                                      {"role": "user", "content": "Another one?"}]}
+    (sample,) = read_samples(_write(tmp_path, [record]))
+    assert isinstance(sample, Sample) and sample.needs_generation
+    assert answer_script(sample.messages).count(None) == 2

@@ -17,7 +17,8 @@ Kimi-K2 generates and its template prints; templates that ignore ids are unaffec
 without ``tool_call_id`` answers the next call still open. Reasoning in the content itself (a
 ``<think>`` block) stays in the content: templates that split it do so themselves.
 
-Order: system messages anywhere; then user first; an assistant turn after each user turn; after an
+Order: system messages anywhere; then user first; an assistant turn after each user turn (a record
+without any assistant turn may hold several user turns: a prompt-only conversation); after an
 assistant turn that calls tools, one result per call; after the results, more results or the
 assistant's next turn. A record may end on any turn. Anything else raises ``BadRecord`` with the
 turn and the fix. ``answer_script`` says which assistant turns self-distillation writes.
@@ -212,6 +213,7 @@ def check_order(messages: list[dict]) -> None:
     prev: dict | None = None
     prev_at = 0
     open_calls: list[str] = []  # ids of the last assistant turn's calls still without a result
+    prompt_only = not any(m["role"] == "assistant" for m in messages)  # user turns only: answered one by one
     for n, m in enumerate(messages, start=1):
         role = m["role"]
         if role == "system":
@@ -232,7 +234,7 @@ def check_order(messages: list[dict]) -> None:
             if open_calls and prev["role"] == "tool":
                 raise BadRecord(f"turn {n} ({role}) comes while the tool call {open_calls[0]!r} has no result; "
                                 "give each call of an assistant turn its result")
-            if role != expected:
+            if role != expected and not (prompt_only and role == "user"):
                 raise BadRecord(f"wrong role order: turn {n} (after {prev['role']}) is {role}, expected {expected}")
         if role == "assistant":
             open_calls = [c["id"] for c in m.get("tool_calls", [])]
