@@ -87,7 +87,7 @@ def test_results_may_come_in_any_order_by_their_ids():
      "wrong role order: turn 2 (after user) is tool, expected assistant"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
       {"role": "user", "content": "and?"}],
-     "wrong role order: turn 3 (after assistant) is user, expected tool"),
+     "turn 3 (user) comes while the tool call 'functions.f:0' has no result; give each call"),
     ([{"role": "user", "content": "hi"},
       {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}, {"function": {"name": "g"}}]},
       {"role": "tool", "content": "1"}, {"role": "assistant", "content": "done"}],

@@ -231,9 +231,9 @@ def check_order(messages: list[dict]) -> None:
         else:
             expected = {"user": "assistant", "assistant": "tool" if prev.get("tool_calls") else "user",
                         "tool": "assistant"}[prev["role"]]
-            if open_calls and prev["role"] == "tool":
+            if open_calls:  # right after the calls, or after some of their results
                 raise BadRecord(f"turn {n} ({role}) comes while the tool call {open_calls[0]!r} has no result; "
-                                "give each call of an assistant turn its result")
+                                "give each call of an assistant turn its result (a tool turn) before the next turn")
             if role != expected and not (prompt_only and role == "user"):
                 raise BadRecord(f"wrong role order: turn {n} (after {prev['role']}) is {role}, expected {expected}")
         if role == "assistant":
@@ -241,7 +241,7 @@ def check_order(messages: list[dict]) -> None:
         prev, prev_at = m, n
     if open_calls and prev is not None and prev["role"] == "tool":
         raise BadRecord(f"the conversation ends while the tool call {open_calls[0]!r} has no result; give each "
-                        "call of an assistant turn its result")
+                        "call of an assistant turn its result (a tool turn)")
 
 
 def _answer(open_calls: list[str], result: dict, n: int) -> None:
