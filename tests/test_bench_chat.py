@@ -1,6 +1,7 @@
 """bench.prompts in the chat forms training data takes: OpenAI ``messages`` and ShareGPT ``conversations``
-records, agentic ones included. Each user turn is a bench turn; the record's own replies (assistant turns,
-tool calls, tool results) are the history, else the baseline's answer is. The actor runs on the real tiny
+records, agentic ones included. Each user turn is a bench turn, and so is the reply to the tool results a
+record ends on; the record's own replies (assistant turns, tool calls, tool results) are the history, else
+the baseline's answer is. The actor runs on the real tiny
 target with an exported drafter (tests/test_bench.py's)."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ AGENT = {"id": "a1", "category": "agent", "tools": TOOLS, "messages": [
     {"role": "user", "content": "And tomorrow?"},
     {"role": "assistant", "content": "Colder."},
 ]}
+OPEN = {"id": "a2", "category": "agent", "tools": TOOLS, "messages": AGENT["messages"][:4]}  # ends on a result
 SHAREGPT = {"id": "s1", "conversations": [{"from": "human", "value": "Name a color."},
                                           {"from": "human", "value": "Another one?"}]}
 
@@ -43,6 +45,12 @@ def test_chat_records_become_prompts_of_their_user_turns(tmp_path):
     assert agent.turns == ["Weather in Oslo?", "And tomorrow?"] and agent.tools == TOOLS
     assert agent.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert colors.id == "s1" and colors.turns == ["Name a color.", "Another one?"] and colors.tools is None
+
+
+def test_a_record_that_ends_on_tool_results_has_one_more_turn_the_reply_to_them(tmp_path):
+    (prompt,) = load_prompt_sets(_file(tmp_path, [OPEN]))["agent"]
+    assert prompt.turns == ["Weather in Oslo?", '{"temp_c": -4}']
+    assert prompt.conversation(1, ["the baseline's reply to the user turn"]) == prompt.messages
 
 
 def test_the_history_is_the_records_own_replies_else_the_baselines(tmp_path):
@@ -75,8 +83,9 @@ def test_a_bad_chat_record_fails_the_prompt_set_naming_file_line_and_fix(tmp_pat
 
 def test_the_actor_decodes_each_user_turn_after_the_records_history(drafter_dir, tmp_path):  # noqa: F811
     """Turn 2 of the agentic record is decoded after its own call, result and answer, rendered with its
-    tools; the ShareGPT record without replies is decoded after the baseline's."""
-    sets = load_prompt_sets(_file(tmp_path, [AGENT, {**SHAREGPT, "category": "agent"}]))
+    tools; the ShareGPT record without replies is decoded after the baseline's; the record that ends on a
+    tool result is decoded after it."""
+    sets = load_prompt_sets(_file(tmp_path, [AGENT, {**SHAREGPT, "category": "agent"}, OPEN]))
     actor = BenchActor(TINY_TARGET, drafter_dir)
     bench = BenchConfig(**{**TINY_BENCH, "modes": ["chain"], "prompt_lookup": False})
     records = actor.run_category(sets["agent"], bench)
@@ -86,4 +95,17 @@ def test_the_actor_decodes_each_user_turn_after_the_records_history(drafter_dir,
     base = actor.target.tokenizer.decode(actor._runners(bench)["baseline"](actor._render(
         [{"role": "user", "content": "Name a color."}]), bench.max_new_tokens)[0], skip_special_tokens=True)
     assert tokens[("s1", 1)] == len(actor._render(sets["agent"][1].conversation(1, [base])))
+    assert tokens[("a2", 1)] == len(actor._render(sets["agent"][2].messages, TOOLS))  # the reply to the result
     assert all(r["identical"] for r in records["chain"])
+
+
+def test_demo_agentic_eval_is_held_out_agent_turns():
+    """The shipped agentic bench set: 12 conversations apart from the training set builtin:demo_agentic
+    (no shared question), 25 turns of which 11 are replies to tool results."""
+    from eagle3_ray.data.sources import read_samples
+
+    (prompts,) = load_prompt_sets("builtin:demo_agentic_eval").values()
+    assert len(prompts) == 12 and sum(len(p.turns) for p in prompts) == 25
+    assert sum(p.messages[-1]["role"] == "tool" for p in prompts) == 11
+    train = {m["content"] for s in read_samples("builtin:demo_agentic") for m in s.messages if m["role"] == "user"}
+    assert not train & {t for p in prompts for t in p.turns}

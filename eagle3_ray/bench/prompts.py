@@ -5,9 +5,9 @@ Forms (one JSON object per line, or a JSON array of them):
 - single turn: ``{"prompt"}``, ``{"question"}`` or ``{"instruction"(, "input")}``;
 - a chat record, as training data takes it: OpenAI ``{"messages": [...]}`` or ShareGPT
   ``{"conversations": [...]}`` (read by ``data/messages.py``: system messages, tool calls, tool results
-  and a ``tools`` list included). Each user turn is a bench turn; the record's own replies between two
-  user turns (its assistant turns, tool calls and tool results) are the history, and where it gives
-  none the baseline's answer is.
+  and a ``tools`` list included). Each user turn is a bench turn, and so is the reply to the tool results
+  a record ends on; the record's own replies between two user turns (its assistant turns, tool calls
+  and tool results) are the history, and where it gives none the baseline's answer is.
 Every form takes an optional ``"category"`` (default: the file's stem) and id field (default:
 ``<stem>-<line>``).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray.config import PROMPT_ENTRY_FORM, PromptSetEntry
-from eagle3_ray.data.messages import BadRecord, conversation, json_type
+from eagle3_ray.data.messages import BadRecord, conversation, ends_on_results, json_type
 from eagle3_ray.data.sources import BUILTIN_PREFIX, builtin_names, resolve_data_path
 from eagle3_ray.errors import DataError
 
@@ -43,7 +43,9 @@ ENTRY_FORM = PROMPT_ENTRY_FORM
 class Prompt:
     id: str
     category: str
-    turns: list[str] = field(default_factory=list)  # user turns, answered one after the other
+    # user turns, answered one after the other (a chat record that ends on tool results: then its last result,
+    # the turn being the reply to the results)
+    turns: list[str] = field(default_factory=list)
     set_name: str = ""  # the prompt set (bench.prompts entry) it comes from
     # Fixed replies that become the history (a record's "answers"): reply i follows turn i instead of the
     # baseline's own answer, so that benches of different drafters decode exactly the same turns.
@@ -63,15 +65,17 @@ class Prompt:
                 out += [{"role": "user", "content": text},
                         {"role": "assistant", "content": self.answers[j] if given else replies[j]}]
             return out + [{"role": "user", "content": self.turns[turn]}]
-        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"] + [len(self.messages)]
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        ends = users[1:] + [len(self.messages)]
         out = [dict(m) for m in self.messages[: users[0]]]  # the system messages before the first turn
         for j in range(turn):
-            between = self.messages[users[j] + 1: users[j + 1]]
+            between = self.messages[users[j] + 1: ends[j]]
             out.append(dict(self.messages[users[j]]))
             if not any(m["role"] == "assistant" for m in between):
                 out.append({"role": "assistant", "content": replies[j]})
             out += [dict(m) for m in between]
-        return out + [dict(self.messages[users[turn]])]
+        # turn == len(users): the reply to the tool results the record ends on, after all of it
+        return out + [dict(self.messages[users[turn]])] if turn < len(users) else out
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ def _chat_prompt(raw: dict, chat: Any, pid: str, category: str, where: str) -> P
     except BadRecord as e:
         raise DataError(f"{where}: {e}") from None
     turns = [m["content"] for m in messages if m["role"] == "user"]
+    if ends_on_results(messages):  # one more turn: the reply to those results (its entry: the last result)
+        turns.append(messages[-1]["content"])
     return Prompt(pid, category, turns, messages=messages, tools=tools)
 
 

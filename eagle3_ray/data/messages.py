@@ -278,3 +278,9 @@ def answer_script(messages: list[dict], regenerate_after_tools: bool = False) ->
     if prev == "tool":
         out.append(None)
     return out
+
+
+def ends_on_results(messages: list[dict]) -> bool:
+    """The last turn (system messages aside) is a tool result: the assistant's reply to it is missing."""
+    last = next((m for m in reversed(messages) if m["role"] != "system"), None)
+    return last is not None and last["role"] == "tool"
