@@ -223,7 +223,7 @@ def _stage_command(cmd: str, cfg, args) -> int:
         from eagle3_ray.extract.prepared import prepared_path
 
         data = args.data or cfg.data.path
-        if data is None or prepared_path(data) is None:
+        if data is None or isinstance(data, list) or prepared_path(data) is None:
             data = run_prepare(cfg, data, Path(args.out) / "_prepared").prepared
         run_extract(cfg, data, args.out, target_info=target_info)
     elif cmd == "vocab":

@@ -83,12 +83,21 @@ class TargetConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str | None = Field(
-        None, description="Conversations or prompts (JSONL/JSON). Default: the shipped demo prompts."
+    path: str | list[str] | None = Field(
+        None, description="Conversations or prompts (JSONL/JSON, or builtin:<name>), or a list of them read in "
+        "order with ids unique over all (e.g. [prompts.jsonl, builtin:demo_agentic]). Default: the shipped "
+        "demo prompts."
     )
     format: Literal["auto", "sharegpt", "openai", "prompts"] = Field(
         "auto", description="Input record form; auto detects per record."
     )
+
+    @field_validator("path")
+    @classmethod
+    def _files(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and (not v or not all(isinstance(p, str) and p.strip() for p in v)):
+            raise ValueError(f"a list of data files must name at least one file and no blank one, got {v}")
+        return v
     max_length: int = Field(2048, ge=8, description="Max tokens per sample.")
     truncate: bool = Field(False, description="Truncate over-long samples instead of rejecting them.")
     system_prompt: str | None = Field(None, description="System message prepended when a sample has none.")
@@ -113,6 +122,12 @@ class GenerateConfig(_Section):
     )
     sample_temperature: float = Field(
         0.7, gt=0.0, description="Temperature of the sampled copies 1..n-1 (generate.samples_per_prompt > 1)."
+    )
+    after_tools: Literal["keep", "regenerate"] = Field(
+        "keep", description="Assistant turns that answer tool results without calling a tool: 'keep' trains on "
+        "them as the data gives them; 'regenerate' has the target write them again (agent logs of another model). "
+        "Tool calls and tool results stay as data either way, and a conversation that ends on tool results always "
+        "gets the target's reply."
     )
     synthetic_prompts: int = Field(
         0, ge=0, description="User requests the target writes itself before answering (Magpie-style: sampled "

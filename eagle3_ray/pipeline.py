@@ -24,7 +24,7 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.report import REPORT_NAME
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
-from eagle3_ray.data.sources import Sample, file_fingerprint, input_path, read_samples
+from eagle3_ray.data.sources import Sample, input_paths, inputs_fingerprint, read_samples
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.generate_stage import run_generate
 from eagle3_ray.extract.pipeline import run_extract
@@ -68,6 +68,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
                             if k not in ("samples_per_prompt", "sample_temperature")}
     if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
         full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
+    if full["generate"]["after_tools"] == "keep":  # the default: the hash of runs before the option
+        full["generate"] = {k: v for k, v in full["generate"].items() if k != "after_tools"}
     for key in ("val_groups", "eval_only"):  # none: the hash of runs before the options
         if not full["train"][key]:
             full["train"].pop(key)
@@ -155,9 +157,12 @@ class StageRunner:
 
 
 def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
-    path = input_path(data, cfg.data)
-    for item in read_samples(path, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
-        if isinstance(item, Sample) and item.needs_generation:
+    from eagle3_ray.data.distill import needs_answers
+
+    regenerate = cfg.generate.after_tools == "regenerate"
+    paths = input_paths(data, cfg.data)
+    for item in read_samples(paths, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
+        if isinstance(item, Sample) and needs_answers(item, regenerate):
             return True
     return False
 
@@ -177,7 +182,7 @@ def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
     whose records share ids, such as its line numbers) would keep the old answers and features.
     The same content at another path passes. An out dir without the record (written before it
     existed) is taken as written from this data."""
-    now = file_fingerprint(input_path(data, cfg.data))
+    now = inputs_fingerprint(input_paths(data, cfg.data))
     record = out / INPUTS
     if record.is_file():
         before = json.loads(record.read_text(encoding="utf-8"))

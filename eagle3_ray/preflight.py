@@ -106,8 +106,8 @@ def check_drafter_fits_target(drafter, cfg: PipelineConfig, what: str) -> None:
         )
 
 
-def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str, str]:
-    """(the path, how the user gave it) of a stage's conversations."""
+def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str | list[str], str]:
+    """(the path or paths, how the user gave them) of a stage's conversations."""
     if data:
         return data, f"--data {data}"
     if cfg.data.path:
@@ -136,14 +136,17 @@ def check_conversations(cfg: PipelineConfig, data: str | None, need_answers: boo
     Reads only up to the first such record, so a good file costs milliseconds."""
     from eagle3_ray.data.sources import Reject, read_samples
 
+    from eagle3_ray.data.sources import path_list
+
     path, what = _data_source(cfg, data)
-    file = _existing_file(path, what, "conversations", alternative)
+    files = [_existing_file(p, what if isinstance(path, str) else f"{p} (in {what})", "conversations", alternative)
+             for p in path_list(path)]
     rejected: list[str] = []
     prompts = 0
-    for item in read_samples(file, cfg.data.format, None, cfg.data.system_prompt):
+    for item in read_samples(files, cfg.data.format, None, cfg.data.system_prompt):
         if isinstance(item, Reject):
             rejected.append(f"{item.source}: {item.reason}")
-        elif need_answers and item.needs_generation:
+        elif need_answers and not any(m["role"] == "assistant" for m in item.messages):
             prompts += 1
         else:
             return
@@ -165,6 +168,9 @@ def check_extract_input(cfg: PipelineConfig, data: str | None) -> None:
     from eagle3_ray.extract.prepared import PREPARED_FILE, prepared_path
 
     path, what = _data_source(cfg, data)
+    if isinstance(path, list):  # several files of conversations, prepared first
+        check_conversations(cfg, data, need_answers=True)
+        return
     if prepared_path(path) is not None:
         return
     p = Path(path).expanduser()

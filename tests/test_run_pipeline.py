@@ -118,9 +118,9 @@ def test_a_finished_stage_resumes_after_its_out_dir_moved(tmp_path, capsys):
 
 
 def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
-    """generate.samples_per_prompt=1 and synthetic_prompts=0 (the defaults) hash as the config did
-    before the options (an out dir of earlier runs still resumes); more copies, or their temperature
-    then, or synthetic requests redo the stages."""
+    """generate.samples_per_prompt=1, synthetic_prompts=0 and after_tools=keep (the defaults) hash as the
+    config did before the options (an out dir of earlier runs still resumes); more copies, or their
+    temperature then, synthetic requests, or regenerated answers after tool results redo the stages."""
     import hashlib
 
     from eagle3_ray.config import config_to_dict, load_config
@@ -128,7 +128,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
 
     cfg = load_config("configs/ci-tiny.yaml")
     full = config_to_dict(cfg)
-    for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
+    for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts", "after_tools"):
         del full["generate"][k]
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
     del full["train"]["loss_chunk_tokens"], full["train"]["recompute_ttt_steps"]  # what the backward recomputes
@@ -144,6 +144,8 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.sample_temperature=0.9"]), "train", "d") == before
     two = load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2"])
     assert _stage_hash(two, "train", "d") != before
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.after_tools=regenerate"]), "prepare", "d") != \
+        _stage_hash(cfg, "prepare", "d")
     assert _stage_hash(two, "train", "d") != _stage_hash(
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
