@@ -216,7 +216,12 @@ class TrainConfig(_Section):
     loss_decay: float = Field(0.8, gt=0.0, le=1.0, description="Weight of step i is decay**i.")
     lr: float = Field(1e-4, gt=0.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
-    warmup_steps: int = Field(50, ge=0)
+    warmup_steps: int = Field(50, ge=0, description="Optimizer steps of linear warmup (unless warmup_ratio).")
+    warmup_ratio: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Warmup as a share of the run's optimizer steps (SpecForge's default "
+        "is 0.015), overriding warmup_steps: the same share of the schedule whatever the data size. A fixed "
+        "warmup_steps longer than a short run leaves its learning rate rising to the end, never decayed."
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(0.5, gt=0.0)
     epochs: int = Field(1, ge=1)

@@ -16,13 +16,15 @@
 #             sf-aligned-1ep: `specforge train` (its offline example's recipe; draft vocabulary 16,384 as ours)
 #               alone on the GPU, timed, GPU memory sampled; `specforge export --to sglang`
 #             then, at once (speeds not figures): sf-aligned-3ep and sf-default-1ep (its 32,000 vocabulary)
-#   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree
+#   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree; TAU_RECIPE=1 TAU_OUT=tau-recipe:
+#             the recipe variants' drafters beside SpecForge's 1-epoch one
+#   recipe    one epoch of ours per recipe variant (VARIANTS) on ours1's store: why SpecForge won at 1 epoch
 #   wait      until $RUN/$WAIT_FOR exists or BUDGET seconds pass; prints the chain log's tail
 #   collect   results -> $OUT (one archive: logs, markers, metrics, inputs.json, tau.json, SpecForge's events)
 # Environment: `source benchmarks/device/session.sh env` first (PYTHONPATH, the GGUF).
 #   STEP=start N=4000 bash benchmarks/peers/specforge.sh
 set -uo pipefail
-: "${STEP:?STEP=install|start|chain|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
+: "${STEP:?STEP=install|start|chain|recipe|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
 : "${OUT:=$RUN/out}" "${GGUF:=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}" "${CONCURRENCY:=8}" "${MT_N:=80}" "${MT_TOKENS:=1024}"
 : "${CFG:=configs/smollm2-h200.yaml}"  # the CPU smoke (tests/test_benchmark_scripts.py) passes the demo preset
 export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1
@@ -112,14 +114,29 @@ chain() {
 }
 tau() {
   local args=() d
-  for d in ours1:ours1/drafter ours3:ours3/drafter sf-aligned-1ep:sf/aligned-1ep/sglang \
-           sf-aligned-3ep:sf/aligned-3ep/sglang sf-default-1ep:sf/default-1ep/sglang; do
+  local labels=${LABELS:-ours1:ours1/drafter ours3:ours3/drafter sf-aligned-1ep:sf/aligned-1ep/sglang
+    sf-aligned-3ep:sf/aligned-3ep/sglang sf-default-1ep:sf/default-1ep/sglang}
+  [ "${TAU_RECIPE:-}" ] && labels="sf-aligned-1ep:sf/aligned-1ep/sglang $(cd "$RUN" && for d in recipe/*/drafter; do
+    n=${d#recipe/}; printf 'recipe-%s:%s ' "${n%/drafter}" "$d"; done)"
+  for d in $labels; do
     [ -f "$RUN/${d#*:}/config.json" ] && args+=(--drafter "${d%%:*}=$RUN/${d#*:}")
   done
   timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
-    "${args[@]}" --out "$RUN/tau" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
+    "${args[@]}" --out "$RUN/${TAU_OUT:-tau}" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
     target.sglang.mem_fraction_static=0.12 bench.max_new_tokens=1024 bench.max_prompts=80 \
     "bench.concurrency=[$CONCURRENCY]"
+}
+recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: name:override,override ...), each
+  # exported; then their SGLang tau beside SpecForge's 1-epoch drafter on the same turns (tau step, LABELS)
+  local v name over
+  for v in ${VARIANTS:-ratio: steps100:train.warmup_steps=100,train.warmup_ratio=null b4k:train.batch_tokens=4096 b2k:train.batch_tokens=2048}; do
+    name=${v%%:*}; over=${v#*:}
+    is_done "recipe-$name" && continue
+    timed "recipe-$name" cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" \
+      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${over//,/ } || return 1
+    cli export --checkpoint "$RUN/recipe/$name/train" --out "$RUN/recipe/$name/drafter" --engine sglang || return 1
+    done_ "recipe-$name"
+  done
 }
 collect() {
   (cd "$RUN" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.yaml' -o -name '*.out' \
@@ -140,6 +157,7 @@ case "$STEP" in
          sleep 5; echo "[peers] chain started (log $RUN/chain.log)"; cat "$RUN/chain.log" ;;
   chain) export PYTHONPATH=$PWD:${PYTHONPATH:-}; chain; echo "[peers] chain rc $?" ;;
   tau) cd "$RUN/repo" 2>/dev/null || true; tau ;;
+  recipe) cd "$RUN/repo" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && recipe ;;
   wait) t0=$(date +%s); while [ ! -f "$RUN/${WAIT_FOR:?}" ] && [ $(( $(date +%s) - t0 )) -lt "$BUDGET" ]; do sleep 5; done
         tail -n 25 "$RUN/chain.log" ;;
   collect) collect ;;

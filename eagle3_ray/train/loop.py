@@ -35,7 +35,7 @@ from eagle3_ray.train.context_parallel import ContextParallel, CPShard
 from eagle3_ray.train.context_parallel import setup as cp_setup
 from eagle3_ray.train.data import CP_KEYS, row_to_batch
 from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
-from eagle3_ray.train.schedule import warmup_cosine
+from eagle3_ray.train.schedule import warmup_cosine, warmup_steps_of
 from eagle3_ray.train.step import ADAMW_BETAS, ADAMW_EPS, StepConfig, TrainStep, resolve_attention
 
 
@@ -205,8 +205,10 @@ class Trainer:
         if t.compile:
             drafter.midlayer.compile()
 
+        warmup = warmup_steps_of(t.warmup_steps, t.warmup_ratio, job.total_steps)
+
         def lr_lambda(step: int) -> float:
-            return warmup_cosine(step, t.warmup_steps, job.total_steps, t.min_lr_ratio)
+            return warmup_cosine(step, warmup, job.total_steps, t.min_lr_ratio)
 
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter,

@@ -40,6 +40,7 @@ from eagle3_ray.train.checkpoint import (
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
 from eagle3_ray.train.packing import Pack, padding_efficiency, plan, plan_held_out, remap, split_store
+from eagle3_ray.train.schedule import warmup_steps_of
 from eagle3_ray.train.step import resolve_attention
 
 
@@ -204,6 +205,10 @@ def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out:
         + f"; drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}"
     )
+    warmup = warmup_steps_of(t.warmup_steps, t.warmup_ratio, total)
+    if warmup >= total:
+        say(f"[train] warning: {warmup} warmup steps for a run of {total} optimizer steps: the learning rate "
+            f"rises to the end and never decays; set train.warmup_ratio (e.g. 0.02) or a smaller train.warmup_steps")
     return TrainPlan(drafter_config=drafter_cfg, heads_path=str(heads.resolve()), vocab_path=str(vocab_path.resolve()),
                      total_steps=total, identity={**run_identity, **(identity or {})}, packs=packs,
                      val_packs=val_packs or [], val_pack_groups=val_pack_groups or {})
