@@ -75,6 +75,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
             full["train"].pop(key)
     if full["train"]["context_parallel"] == 1:  # off: the hash of runs before the option (on: other packs)
         full["train"].pop("context_parallel")
+    if full["train"]["warmup_ratio"] is None:  # unset: the hash of runs before the option
+        full["train"].pop("warmup_ratio")
     # The bench's engine options, where they change nothing: the hash of runs before them.
     unused = {"engine"} if cfg.bench.engine == "auto" else set()
     if cfg.bench.bench_engine(cfg.target.backend) == "hf":

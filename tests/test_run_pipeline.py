@@ -134,6 +134,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["loss_chunk_tokens"], full["train"]["recompute_ttt_steps"]  # what the backward recomputes
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["train"]["context_parallel"]  # 1 (off): as before the option
+    del full["train"]["warmup_ratio"]  # unset: as before the option
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
@@ -142,6 +143,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         assert _stage_hash(cfg, stage, "d") == old
     before = _stage_hash(cfg, "train", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.sample_temperature=0.9"]), "train", "d") == before
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.warmup_ratio=0.02"]), "train", "d") != before
     two = load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2"])
     assert _stage_hash(two, "train", "d") != before
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.after_tools=regenerate"]), "prepare", "d") != \
