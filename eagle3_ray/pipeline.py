@@ -56,8 +56,9 @@ STAGE_DEPS = {
 
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
-# The long-sample memory options too: the same loss and gradients, only what the backward recomputes.
-UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps"),
+# The long-sample memory options too: the same loss and gradients, only what the backward recomputes;
+# and the experiment trackers, which get the metrics that metrics.jsonl gets.
+UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps", "trackers", "tracking"),
             "target": ("sglang.max_concurrent_calls",)}
 
 
@@ -73,6 +74,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
             full["train"].pop(key)
     if full["train"]["context_parallel"] == 1:  # off: the hash of runs before the option (on: other packs)
         full["train"].pop("context_parallel")
+    if full["train"]["keep_best"] == "held_out_tau":  # the default: the hash of runs before the option (none:
+        full["train"].pop("keep_best")                # export takes another checkpoint)
     # The bench's engine options, where they change nothing: the hash of runs before them.
     unused = {"engine"} if cfg.bench.engine == "auto" else set()
     if cfg.bench.bench_engine(cfg.target.backend) == "hf":
