@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", help="vocab map file or dir (default: <features>/../vocab)")
     p = sub.add_parser("export", help="write the SGLang/vLLM drafter directory from a checkpoint",
                        epilog="Takes no config: the checkpoint holds the drafter's.")
-    p.add_argument("--checkpoint", required=True, help="training checkpoint (or training output) dir")
+    p.add_argument("--checkpoint", required=True,
+                   help="the --out of `eagle3-ray train` (or its Ray Train storage), or one checkpoint_* dir")
+    p.add_argument("--which", choices=["best", "latest"],
+                   help="which checkpoint of the run: best = the best held-out tau (train.keep_best), latest = the "
+                        "newest; default: best where the run kept one, else latest")
     p.add_argument("--out", required=True, help="export directory")
     p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     p = _stage(sub, "bench", "benchmark speculative decoding with a trained drafter")
@@ -219,7 +223,7 @@ def _dispatch(args) -> int:
     if cmd == "export":
         from eagle3_ray.train.checkpoint import export_from_training
 
-        path = export_from_training(args.checkpoint, args.out, engine=args.engine)
+        path = export_from_training(args.checkpoint, args.out, engine=args.engine, which=args.which)
         print(f"[export] drafter for {args.engine} -> {path}")
         return 0
     if cmd == "run":  # run_pipeline holds the output lock itself

@@ -242,6 +242,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     bench = stages.dir("bench")
     summary = {
         "drafter": str(drafter),
+        "best_checkpoint": _best_checkpoint(stages.dir("train")),
         "report": str(bench / REPORT_NAME),
         "results": str(bench / RESULTS_NAME),
         **results,
@@ -251,6 +252,12 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     write_json(out / "summary.json", summary, newline=False)
     _print_summary(summary)
     return summary
+
+
+def _best_checkpoint(train: Path) -> dict[str, Any] | None:
+    """The training summary's best checkpoint (train.keep_best), which export took; None for none."""
+    summary = train / "summary.json"
+    return json.loads(summary.read_text(encoding="utf-8")).get("best") if summary.is_file() else None
 
 
 def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -270,4 +277,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
     say(f"  speedup over plain generation: {speed}")
     say(f"  drafter (SGLang layout): {s['drafter']}")
+    if s.get("best_checkpoint"):
+        b = s["best_checkpoint"]
+        say(f"    from the best checkpoint: step {b['step']}, held-out tau {b['val_tau']:.3f} ({b['margin']:+.3f} over "
+            f"the last evaluation, step {b['last_eval_step']})")
     say(f"  report: {s['report']}")

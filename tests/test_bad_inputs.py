@@ -192,6 +192,17 @@ def _unwritable_out(tmp: Path) -> list[str]:
     return ["prepare", "-c", CI_CONFIG, "--out", str(tmp / "a-file" / "prepare")]
 
 
+def _run_with_best(tmp: Path, best: dict | None, step: int = 4) -> Path:
+    """A training --out whose one checkpoint (of ``step``) records ``best`` (None: the run kept none)."""
+    state = {"step": step, "identity": {}, **({"best": best} if best else {})}
+    _checkpoint(tmp, json.dumps(state))
+    return tmp / "train"
+
+
+def _export(tmp: Path, run: Path, *extra: str) -> list[str]:
+    return ["export", "--checkpoint", str(run), *extra, "--out", str(tmp / "drafter")]
+
+
 def _config(name: str) -> Callable[[Path], list[str]]:
     return lambda tmp: ["prepare", "-c", str(BAD / name), "--out", str(tmp / "out")]
 
@@ -238,6 +249,16 @@ CASES = [
     Case("truncated_checkpoint_weights", _truncated_weights, "cli", r"drafter\.safetensors is not a readable safetensors"),
     Case("drafter_for_another_target", _drafter_for_other_target, ConfigError,
          r"states of width 96, this target's are 64; use a drafter trained for this target"),
+    # export of the best checkpoint (train.keep_best) where there is none
+    Case("export_best_of_a_run_without_one", lambda t: _export(t, _run_with_best(t, None), "--which", "best"), "cli",
+         r"--which best: the run in --checkpoint .*/train kept no best checkpoint .*train\.val_share=0.*; "
+         r"pass --which latest"),
+    Case("export_best_checkpoint_gone", lambda t: _export(t, _run_with_best(t, {"step": 2, "val_tau": 1.5})), "cli",
+         r"kept its best checkpoint at step 2 \(held-out tau 1\.500\), and no checkpoint_\* of that step is there "
+         r"any more; pass --which latest"),
+    Case("export_which_of_one_checkpoint",
+         lambda t: _export(t, _run_with_best(t, None) / "checkpoint_000000", "--which", "latest"), "cli",
+         r"--which latest: --checkpoint .*checkpoint_000000 is one checkpoint, not a training run; drop --which"),
 ]
 
 

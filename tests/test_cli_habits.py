@@ -138,7 +138,7 @@ def test_each_commands_help_names_the_config_sections_it_reads(capsys):
             out.split()), out
     assert STAGE_SECTIONS["run"] == tuple(f for f in PipelineConfig.model_fields if f != "name")
     rc, out, _ = _run(["export", "--help"], capsys)
-    assert rc == 0 and "Takes no config" in out
+    assert rc == 0 and "Takes no config" in out and "--which {best,latest}" in out
 
 
 # The modules that hold each command's use of its config (the `cfg` the CLI passes them), read as text.

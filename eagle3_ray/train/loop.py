@@ -3,7 +3,8 @@
 Runs in every TorchTrainer worker (`train_func`). `deepspeed.initialize` wraps the drafter (ZeRO stage
 from the config; bf16 on GPU, fp32 + gloo on CPU); the training step itself is train/step.py's
 `TrainStep`, the one every benchmark runs too. Features arrive as packed micro-batches through
-`ray.train.get_dataset_shard("train")`.
+`ray.train.get_dataset_shard("train")`. With `train.keep_best`, an evaluation that beats the earlier ones
+is checkpointed at once (Ray Train keeps it: trainer.fit's CheckpointConfig).
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ class Trainer:
         self.unsynced_tokens = 0
         self.engine = self.train_step = self.vote_group = self.val_shard = self.val_rows = None
         self.cp = ContextParallel()  # this rank's context-parallel group (setup)
+        # train.keep_best: the best held-out evaluation so far and the last one (restored with the checkpoint)
+        self.keep_best = ck.KeepBest(self.t.keep_best == "held_out_tau" and job.val_packs > 0)
 
     def setup(self) -> Trainer:
         import deepspeed  # heavy: imported in the worker only
@@ -249,6 +252,7 @@ class Trainer:
         self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
         consumed = ck.consumed_packs(d)
         self.train_tokens = state.get("train_tokens")  # absent in checkpoints older than the count
+        self.keep_best = ck.KeepBest(self.keep_best.enabled, state)
         if offered is not None and Path(offered.path) == d:
             source = "from Ray Train's checkpoint ("
         else:
@@ -314,8 +318,10 @@ class Trainer:
                              "world_size": self.world_size, "zero_stage": engine.zero_optimization_stage()}
                     if train_tokens is not None:
                         state["train_tokens"] = train_tokens
-                    ck.write_json(d / ck.TRAIN_STATE, state)
-            ray.train.report({**metrics, "step": self.global_step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                    ck.write_json(d / ck.TRAIN_STATE, {**state, **self.keep_best.state()})
+            # with train.keep_best, the score Ray Train keeps the best checkpoints by (trainer.checkpoint_config)
+            ray.train.report({**metrics, "step": self.global_step, **self.keep_best.score(self.global_step)},
+                             checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     def fit(self) -> None:
         """Train on this worker's shard until `max_steps` or the data runs out on any rank."""
@@ -354,6 +360,7 @@ class Trainer:
                 continue
             self.global_step += 1
             step = self.global_step
+            new_best = False
             if step % t.log_every == 0 or step == self.max_steps:
                 m = mean_metrics(window, t.loss_decay)  # waits for the window's steps to finish
                 elapsed = time.monotonic() - t0  # so measured after that wait: the window's real time
@@ -369,6 +376,7 @@ class Trainer:
                 if self.job.val_packs and (step >= next_eval or step == self.max_steps):
                     m.update(self.evaluate())  # every rank: its share of the held-out packs, summed
                     next_eval = (step // t.eval_every + 1) * t.eval_every
+                    new_best = self.keep_best.evaluated(step, m["val_tau"])  # the same on every rank
                 last_metrics = m
                 if self.rank == 0:
                     self._log(m)
@@ -376,7 +384,7 @@ class Trainer:
                 # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
                 # and Ray Train gets them with every checkpoint.
                 window, tokens, wait, t0 = [], 0, 0.0, time.monotonic()
-            if step % t.checkpoint_every == 0 or step == self.max_steps:
+            if step % t.checkpoint_every == 0 or step == self.max_steps or new_best:
                 self.save(last_metrics)
                 saved_step = step
         if self.global_step != saved_step:  # the data ran out between checkpoints: keep the final state
