@@ -71,6 +71,10 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
         drafter = check_drafter_dir(args.drafter, "--drafter", foreign_ok=cfg.target.backend == "sglang")
         check_drafter_fits_target(drafter, cfg, f"--drafter {args.drafter}")
         check_prompts(cfg, args.prompts)
+    if command in ("train", "run"):
+        from eagle3_ray.train.trackers import check_installed
+
+        check_installed(cfg.train.trackers)
     if command in ("train", "run") and cfg.train.init_from:
         from eagle3_ray.drafter.export import check_drafter_dir
 

@@ -28,6 +28,8 @@ GROUPS = ['train.val_groups={late: "ci-1[0-2]", early: "ci-0[1-6]"}', "train.eva
 TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
            "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}", *GROUPS,
            "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
+# The fixture's run and its resumption log to every tracker (W&B offline): test_trackers.py reads them back.
+TRACKED = ["train.trackers=[tensorboard,mlflow,wandb]", "train.tracking.wandb_mode=offline"]
 
 
 def _metrics(out):

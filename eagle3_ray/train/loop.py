@@ -4,7 +4,8 @@ Runs in every TorchTrainer worker (`train_func`). `deepspeed.initialize` wraps t
 from the config; bf16 on GPU, fp32 + gloo on CPU); the training step itself is train/step.py's
 `TrainStep`, the one every benchmark runs too. Features arrive as packed micro-batches through
 `ray.train.get_dataset_shard("train")`. With `train.keep_best`, an evaluation that beats the earlier ones
-is checkpointed at once (Ray Train keeps it: trainer.fit's CheckpointConfig).
+is checkpointed at once (Ray Train keeps it: trainer.fit's CheckpointConfig); `train.trackers` get every
+metrics row from rank 0 (train/trackers.py).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ class Trainer:
         self.cp = ContextParallel()  # this rank's context-parallel group (setup)
         # train.keep_best: the best held-out evaluation so far and the last one (restored with the checkpoint)
         self.keep_best = ck.KeepBest(self.t.keep_best == "held_out_tau" and job.val_packs > 0)
+        self.trackers = None  # rank 0's train.trackers (setup)
 
     def setup(self) -> Trainer:
         import deepspeed  # heavy: imported in the worker only
@@ -230,6 +232,10 @@ class Trainer:
             self.val_shard = ray.train.get_dataset_shard(name)
             # read once, then replayed: each pass over the shard is a new execution of its dataset
             self.val_rows = ReplayCache(lambda: pack_stream(self.val_shard), t.val_cache_bytes)
+        if self.rank == 0 and t.trackers:
+            from eagle3_ray.train.trackers import Trackers  # the trackers' libraries: rank 0 only
+
+            self.trackers = Trackers.start(t, job.run, Path(job.out_dir), self.resumed_from)
         return self
 
     def restore(self) -> tuple[int, set[str]]:
@@ -330,10 +336,14 @@ class Trainer:
         name = f"train_{self.rank}" if self.cp.enabled else "train"
         prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard(name)), self._convert, self.device,
                                   skip=frozenset(self.consumed), depth=self.t.prefetch_packs)
+        failed = True
         try:
             self._loop(prefetch)
+            failed = False
         finally:
             prefetch.close()
+            if self.trackers is not None:
+                self.trackers.close(failed)
 
     def _loop(self, prefetch: PackPrefetcher) -> None:
         t = self.t
@@ -395,6 +405,8 @@ class Trainer:
         dashboard.record_train_step(m, self.job.run, t.ttt_steps)
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(m) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(m)
         accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t.ttt_steps))
         say(f"[train] step {m['step']}/{self.max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
             f"(served {m['tau_served']:.2f}) acc [{accs}] "

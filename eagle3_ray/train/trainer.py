@@ -44,6 +44,7 @@ from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
 from eagle3_ray.train.packing import Pack, holdout_groups, padding_efficiency, plan, plan_held_out, remap
 from eagle3_ray.train.step import resolve_attention
+from eagle3_ray.train.trackers import check_installed
 
 
 def _vocab_file(vocab: str | Path) -> Path:
@@ -308,6 +309,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
                           else ray.train.DataConfig(datasets_to_split=["train"]))
     if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
+    check_installed(cfg.train.trackers)  # here, as on every worker's node
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / TRAIN_STORAGE
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
