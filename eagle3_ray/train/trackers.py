@@ -13,7 +13,7 @@ runs (their ids are kept in <out>/trackers.json). The steps a resumed attempt tr
 again: TensorBoard shows the new values only (`purge_step`), MLflow keeps both, W&B keeps the first
 (it takes no step below its last). MLflow names a group's metrics `val_tau.<group>` (its file store keeps
 a metric per file, where `val_tau` and `val_tau/<group>` cannot both live). A tracker that fails to log a
-row is named in a warning; training goes on (the row is in metrics.jsonl).
+row, or to close, is named in a warning; training goes on (the row is in metrics.jsonl).
 
 Each tracker is an optional extra (`pip install 'eagle3-ray[tensorboard,mlflow,wandb]'`): the driver
 checks that they are installed before any worker starts (`check_installed`), and the worker again.
@@ -139,13 +139,12 @@ class WandB:
     def __init__(self, settings: TrackingConfig, out: Path, name: str, params: dict[str, Any], known: dict | None):
         from ray.air.integrations.wandb import setup_wandb
 
-        if settings.wandb_mode:  # Ray's setup_wandb reads the mode here (an offline run needs no API key)
-            os.environ["WANDB_MODE"] = settings.wandb_mode
         self.project = settings.project or name
         same = known is not None and known.get("project") == self.project
         self.run_id = known["id"] if same else uuid.uuid4().hex[:16]
-        self.run = setup_wandb(params, project=self.project, id=self.run_id, name=settings.run_name or name,
-                               dir=str(out), resume="allow", rank_zero_only=False)
+        with _env(WANDB_MODE=settings.wandb_mode):  # where Ray's setup_wandb reads it (offline: no API key)
+            self.run = setup_wandb(params, project=self.project, id=self.run_id, name=settings.run_name or name,
+                                   dir=str(out), resume="allow", rank_zero_only=False)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -168,6 +167,7 @@ class Trackers:
         """Start ``t.trackers`` for the run ``name`` (config name) writing to ``out`` (the training --out);
         ``resumed_from``: the checkpoint step this attempt starts from (0: a fresh start)."""
         check_installed(t.trackers)
+        out.mkdir(parents=True, exist_ok=True)
         runs_file = out / RUNS_FILE
         known = json.loads(runs_file.read_text(encoding="utf-8")) if runs_file.is_file() else {}
         params = {"name": name, "train": t.model_dump(mode="json")}
@@ -200,5 +200,8 @@ class Trackers:
                             exception_line(e))
 
     def close(self, failed: bool = False) -> None:
-        for tracker in self.trackers.values():
-            tracker.close(failed)
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close(failed)
+            except Exception as e:  # the run's outcome stands; what the tracker missed is in metrics.jsonl
+                log.warning("train.trackers: %s did not close: %s", name, exception_line(e))
