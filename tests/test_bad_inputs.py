@@ -276,7 +276,7 @@ CASES = [
                                           "train.tracking.wandb_mode=cloud"], "cli",
          r"train\.tracking\.wandb_mode: Input should be 'online', 'offline' or 'disabled'"),
     Case("tracker_cannot_start", _tracker_cannot_start, ConfigError,
-         r"train\.trackers: mlflow could not start: .*; fix its settings \(train\.tracking\)"),
+         r"train\.trackers: mlflow could not start: .*Not a directory.*; check train\.tracking\.mlflow_tracking_uri"),
     # export of the best checkpoint (train.keep_best) where there is none
     Case("export_best_of_a_run_without_one", lambda t: _export(t, _run_with_best(t, None), "--which", "best"), "cli",
          r"--which best: the run in --checkpoint .*/train kept no best checkpoint .*train\.val_share=0.*; "

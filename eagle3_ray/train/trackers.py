@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 RUNS_FILE = "trackers.json"  # in the training --out: the MLflow and W&B runs a resumed training continues
 TENSORBOARD_DIR = "tensorboard"
 MLRUNS_DIR = "mlruns"
+# What to look at when a tracker cannot start.
+_FIX = {
+    "tensorboard": f"<train --out>/{TENSORBOARD_DIR} must be writable",
+    "mlflow": "check train.tracking.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI) and train.tracking.project",
+    "wandb": "online W&B needs WANDB_API_KEY on the training workers' nodes (ray.env_vars), or set "
+             "train.tracking.wandb_mode=offline",
+}
 
 
 def _importable(module: str) -> bool:
@@ -182,8 +189,8 @@ class Trackers:
                     started[tracker] = WandB(t.tracking, out, name, params, known.get(tracker))
             except Exception as e:
                 cls(started).close(failed=True)
-                raise ConfigError(f"train.trackers: {tracker} could not start: {exception_line(e)}; fix its "
-                                  f"settings (train.tracking) or leave it out of train.trackers") from e
+                raise ConfigError(f"train.trackers: {tracker} could not start: {exception_line(e)}; "
+                                  f"{_FIX[tracker]}, or leave it out of train.trackers") from e
         records = {k: r for k, tr in started.items() if (r := tr.record()) is not None}
         if any(known.get(k) != r for k, r in records.items()):
             atomic.write_json(runs_file, {**known, **records}, sort_keys=True)
