@@ -56,8 +56,9 @@ STAGE_DEPS = {
 
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
-# The long-sample memory options too: the same loss and gradients, only what the backward recomputes.
-UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps"),
+# The long-sample memory options too: the same loss and gradients, only what the backward recomputes;
+# and the experiment trackers, which get the metrics that metrics.jsonl gets.
+UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps", "trackers", "tracking"),
             "target": ("sglang.max_concurrent_calls",)}
 
 
@@ -77,6 +78,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
         full["train"].pop("context_parallel")
     if full["train"]["warmup_ratio"] is None:  # unset: the hash of runs before the option
         full["train"].pop("warmup_ratio")
+    if full["train"]["keep_best"] == "held_out_tau":  # the default: the hash of runs before the option (none:
+        full["train"].pop("keep_best")                # export takes another checkpoint)
     # The bench's engine options, where they change nothing: the hash of runs before them.
     unused = {"engine"} if cfg.bench.engine == "auto" else set()
     if cfg.bench.bench_engine(cfg.target.backend) == "hf":
@@ -246,6 +249,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     bench = stages.dir("bench")
     summary = {
         "drafter": str(drafter),
+        "best_checkpoint": _best_checkpoint(stages.dir("train")),
         "report": str(bench / REPORT_NAME),
         "results": str(bench / RESULTS_NAME),
         **results,
@@ -255,6 +259,12 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     write_json(out / "summary.json", summary, newline=False)
     _print_summary(summary)
     return summary
+
+
+def _best_checkpoint(train: Path) -> dict[str, Any] | None:
+    """The training summary's best checkpoint (train.keep_best), which export took; None for none."""
+    summary = train / "summary.json"
+    return json.loads(summary.read_text(encoding="utf-8")).get("best") if summary.is_file() else None
 
 
 def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -274,4 +284,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
     say(f"  speedup over plain generation: {speed}")
     say(f"  drafter (SGLang layout): {s['drafter']}")
+    if s.get("best_checkpoint"):
+        b = s["best_checkpoint"]
+        say(f"    from the best checkpoint: step {b['step']}, held-out tau {b['val_tau']:.3f} ({b['margin']:+.3f} over "
+            f"the last evaluation, step {b['last_eval_step']})")
     say(f"  report: {s['report']}")

@@ -15,8 +15,9 @@ and the marker files that make it what the command needs, and raises the specifi
     existing store     extract (--out)                   extracted from this target (extract adds to it)
     vocab map          train (--vocab, else              vocab_map.safetensors (d2t, t2d) for the store's
                        <features>/../vocab)              target
-    checkpoint         export (--checkpoint)             train_state.json, in the layout train writes
-                                                         (train/checkpoint.py: never searched deeper)
+    checkpoint         export (--checkpoint, --which)    train_state.json, in the layout train writes
+                                                         (train/checkpoint.py: never searched deeper);
+                                                         --which best: the best checkpoint kept
     drafter            bench (--drafter),                drafter_config.json + drafter.safetensors, or
                        train.init_from                   config.json (EAGLE-3) + model.safetensors
     prompt set         bench (--prompts, bench.prompts)  a JSONL/JSON file (or builtin:<name>) of prompts
@@ -41,9 +42,9 @@ from eagle3_ray.errors import ConfigError, DataError, StoreError, require_dir
 def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
     """Refuse the command's inputs that cannot work (the table in the module docstring)."""
     if command == "export":
-        from eagle3_ray.train.checkpoint import find_checkpoint
+        from eagle3_ray.train.checkpoint import select_checkpoint
 
-        find_checkpoint(args.checkpoint)
+        select_checkpoint(args.checkpoint, getattr(args, "which", None))
         return
     assert cfg is not None
     data_arg = getattr(args, "data", None)
@@ -70,6 +71,10 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
         drafter = check_drafter_dir(args.drafter, "--drafter", foreign_ok=cfg.target.backend == "sglang")
         check_drafter_fits_target(drafter, cfg, f"--drafter {args.drafter}")
         check_prompts(cfg, args.prompts)
+    if command in ("train", "run"):
+        from eagle3_ray.train.trackers import check_installed
+
+        check_installed(cfg.train.trackers)
     if command in ("train", "run") and cfg.train.init_from:
         from eagle3_ray.drafter.export import check_drafter_dir
 

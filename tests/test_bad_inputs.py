@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -40,6 +41,7 @@ class Case:
     expect: type[Exception] | str  # an error type, "quarantine", or "cli"
     match: str  # regex the reason / message / error line must contain
     kept: int = 0  # good records that must survive a quarantine
+    blocked: tuple[str, ...] = ()  # modules made unimportable for the row (a package that is not installed)
 
 
 # ---------------------------------------------------------------- triggers
@@ -194,6 +196,27 @@ def _unwritable_out(tmp: Path) -> list[str]:
     return ["prepare", "-c", CI_CONFIG, "--out", str(tmp / "a-file" / "prepare")]
 
 
+def _run_with_best(tmp: Path, best: dict | None, step: int = 4) -> Path:
+    """A training --out whose one checkpoint (of ``step``) records ``best`` (None: the run kept none)."""
+    state = {"step": step, "identity": {}, **({"best": best} if best else {})}
+    _checkpoint(tmp, json.dumps(state))
+    return tmp / "train"
+
+
+def _export(tmp: Path, run: Path, *extra: str) -> list[str]:
+    return ["export", "--checkpoint", str(run), *extra, "--out", str(tmp / "drafter")]
+
+
+def _tracker_cannot_start(tmp: Path) -> None:
+    """MLflow's store under a path that cannot be a directory: the tracker's own error, as a user error."""
+    from eagle3_ray.train.trackers import Trackers
+
+    (tmp / "a-file").write_text("not a directory")
+    cfg = load_config(CI_CONFIG, ["train.trackers=[mlflow]",
+                                  f"train.tracking.mlflow_tracking_uri=file://{tmp}/a-file/x"])
+    Trackers.start(cfg.train, cfg.name, tmp / "train", resumed_from=0)
+
+
 def _config(name: str) -> Callable[[Path], list[str]]:
     return lambda tmp: ["prepare", "-c", str(BAD / name), "--out", str(tmp / "out")]
 
@@ -291,6 +314,32 @@ CASES = [
     Case("truncated_checkpoint_weights", _truncated_weights, "cli", r"drafter\.safetensors is not a readable safetensors"),
     Case("drafter_for_another_target", _drafter_for_other_target, ConfigError,
          r"states of width 96, this target's are 64; use a drafter trained for this target"),
+    # experiment trackers (train.trackers): refused before Ray starts, or when one cannot start
+    Case("unknown_tracker", lambda t: ["train", "-c", CI_CONFIG, "--features", str(t), "--out", str(t / "o"),
+                                       "train.trackers=[tensorboard,comet]"], "cli",
+         r"train\.trackers\.1: Input should be 'tensorboard', 'mlflow' or 'wandb' \(got 'comet'\)"),
+    Case("tracker_listed_twice", lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                            "train.trackers=[wandb,mlflow,wandb]"], "cli",
+         r"train\.trackers: .*\['wandb'\] listed more than once; name each tracker once"),
+    Case("tracker_not_installed", lambda t: ["run", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                             "train.trackers=[tensorboard,wandb]"], "cli",
+         r"train\.trackers lists \['wandb'\], not installed here: pip install 'eagle3-ray\[wandb\]'",
+         blocked=("wandb",)),
+    Case("unknown_wandb_mode", lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                          "train.tracking.wandb_mode=cloud"], "cli",
+         r"train\.tracking\.wandb_mode: Input should be 'online', 'offline' or 'disabled'"),
+    Case("tracker_cannot_start", _tracker_cannot_start, ConfigError,
+         r"train\.trackers: mlflow could not start: .*Not a directory.*; check train\.tracking\.mlflow_tracking_uri"),
+    # export of the best checkpoint (train.keep_best) where there is none
+    Case("export_best_of_a_run_without_one", lambda t: _export(t, _run_with_best(t, None), "--which", "best"), "cli",
+         r"--which best: the run in --checkpoint .*/train kept no best checkpoint .*train\.val_share=0.*; "
+         r"pass --which latest"),
+    Case("export_best_checkpoint_gone", lambda t: _export(t, _run_with_best(t, {"step": 2, "val_tau": 1.5})), "cli",
+         r"kept its best checkpoint at step 2 \(held-out tau 1\.500\), and no checkpoint_\* of that step is there "
+         r"any more; pass --which latest"),
+    Case("export_which_of_one_checkpoint",
+         lambda t: _export(t, _run_with_best(t, None) / "checkpoint_000000", "--which", "latest"), "cli",
+         r"--which latest: --checkpoint .*checkpoint_000000 is one checkpoint, not a training run; drop --which"),
 ]
 
 
@@ -299,7 +348,9 @@ def test_the_corpus_covers_at_least_15_kinds():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
-def test_bad_input_gets_a_specific_error_or_quarantine(case: Case, tmp_path, capsys):
+def test_bad_input_gets_a_specific_error_or_quarantine(case: Case, tmp_path, capsys, monkeypatch):
+    for module in case.blocked:  # `import module` now fails, as without the package
+        monkeypatch.setitem(sys.modules, module, None)
     if case.expect == "quarantine":
         reasons, kept = case.run(tmp_path)
         assert reasons, f"{case.kind}: nothing was rejected"

@@ -135,6 +135,8 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["train"]["context_parallel"]  # 1 (off): as before the option
     del full["train"]["warmup_ratio"]  # unset: as before the option
+    del full["train"]["keep_best"]  # held_out_tau (the default): as before the option
+    del full["train"]["trackers"], full["train"]["tracking"]  # where metrics go, not what a stage writes: never hashed
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
@@ -161,6 +163,13 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         assert _stage_hash(first_two, stage, "d") == _stage_hash(cfg, stage, "d"), stage
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
+    tracked = load_config("configs/ci-tiny.yaml", ["train.trackers=[tensorboard,wandb]", "train.tracking.project=p"])
+    latest = load_config("configs/ci-tiny.yaml", ["train.keep_best=none"])
+    for stage in STAGE_DEPS:
+        assert _stage_hash(tracked, stage, "d") == _stage_hash(cfg, stage, "d"), stage
+        # another checkpoint kept and exported: training and what follows it are redone
+        assert (_stage_hash(latest, stage, "d") == _stage_hash(cfg, stage, "d")) == (stage not in
+                                                                                     ("train", "export", "bench"))
     # the bench's engine options redo the bench where they change what it measures, and only there
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["bench.concurrency=[1,4]"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")  # the HF bench does not read it

@@ -4,6 +4,8 @@ The driver refuses mismatched inputs before any worker starts (store vs target v
 writes the frozen target heads once, plans the packs, and hands workers a TrainJob (typed config
 sections, pickled by Ray as they are).
 Rerunning with the same --out resumes from the latest checkpoint (same RunConfig name + storage).
+With train.keep_best and held-out samples, Ray Train keeps checkpoints by their held-out tau beside the
+latest, and the summary (summary.json, the last line) says which step won and by how much.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
 from eagle3_ray.ray_session import check_shared_dirs
 from eagle3_ray.train.checkpoint import (
-    TRAIN_STORAGE, check_identity, latest_checkpoint, read_train_state, write_json,
+    SCORE, TRAIN_STORAGE, best_summary, check_identity, latest_checkpoint, read_train_state, select_checkpoint,
+    write_json,
 )
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
 from eagle3_ray.train.packing import Pack, padding_efficiency, plan, plan_held_out, remap, split_store
 from eagle3_ray.train.schedule import warmup_steps_of
 from eagle3_ray.train.step import resolve_attention
+from eagle3_ray.train.trackers import check_installed
 
 
 def _vocab_file(vocab: str | Path) -> Path:
@@ -306,6 +310,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
                           else ray.train.DataConfig(datasets_to_split=["train"]))
     if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
+    check_installed(cfg.train.trackers)  # here, as on every worker's node
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / TRAIN_STORAGE
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
@@ -314,6 +319,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
     # Every (re)start of the workers resumes from the newer of Ray Train's checkpoint and the newest
     # complete one here (Trainer.restore): one Ray Train has not registered yet is still taken.
     job = train_job(cfg, train_plan, out, use_gpu, storage, val_datasets or {})
+    keep_best = cfg.train.keep_best == "held_out_tau" and bool(train_plan.val_packs)  # held-out tau to keep by
     # Every worker writes its checkpoint shards to storage and reads the heads under out: refuse a
     # directory that a node of the cluster does not see, before any worker starts.
     check_shared_dirs({storage: "ray.storage_path (Ray Train's checkpoints)", out: "--out"})
@@ -329,7 +335,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
             name=f"{cfg.name}-train",
             storage_path=str(storage),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=checkpoint_config(keep_best),
         ),
         datasets={**train_sets, **(val_datasets or {})},
         dataset_config=dataset_config,
@@ -341,6 +347,32 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
     if ckpt is None:
         raise CheckpointError(f"training finished without a checkpoint under {storage}")
     summary = {"checkpoint": str(ckpt), "metrics": result.metrics, "seconds": round(time.monotonic() - t0, 1)}
+    run_dir = storage / f"{cfg.name}-train"  # this run's checkpoints (the storage may hold other runs')
+    best = best_summary(run_dir)
+    if best is not None:
+        summary["best"] = {**best, "checkpoint": str(select_checkpoint(run_dir, "best").path)}
     write_json(out / "summary.json", summary)
     say(f"[train] done: checkpoint {ckpt}")
+    if best is not None:
+        say(_best_line(summary["best"]))
     return ckpt
+
+
+def checkpoint_config(keep_best: bool) -> ray.train.CheckpointConfig:
+    """The checkpoints Ray Train keeps: with ``keep_best`` (train.keep_best and held-out samples to evaluate)
+    the two of the highest held-out tau (``SCORE``) and the latest, which Ray Train never deletes; else
+    the two latest."""
+    if keep_best:
+        return ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=SCORE,
+                                          checkpoint_score_order="max")
+    return ray.train.CheckpointConfig(num_to_keep=2)
+
+
+def _best_line(best: dict) -> str:
+    """The summary's line on the best checkpoint: which step won, and by how much over the last evaluation."""
+    head = f"[train] best held-out tau {best['val_tau']:.3f} at step {best['step']}"
+    if best["step"] == best["last_eval_step"]:
+        return f"{head}, the last evaluation; `eagle3-ray export` takes it ({best['checkpoint']})"
+    return (f"{head}, {best['margin']:+.3f} over the last evaluation's {best['last_eval_val_tau']:.3f} at step "
+            f"{best['last_eval_step']}; `eagle3-ray export` takes it (--which latest: the latest) "
+            f"({best['checkpoint']})")
