@@ -92,3 +92,93 @@ def test_the_sglang_tau_bench_decodes_fixed_turns(smollm2_dir, tmp_path):
     lo, hi = st.paired_interval(a, b)
     assert 0 < lo <= st.tau_of(a) - st.tau_of(b) <= hi
     assert np.isclose(st.paired_interval(a, a), 0).all()
+
+
+def test_speculators_inputs_are_the_store_rows_in_its_layout(ci_tiny_inputs, tmp_path):
+    """speculators 0.9.0's offline files (benchmarks/peers/speculators_inputs.py) from a real store: the
+    training rows, then the held-out ones (its --train-data-ratio cuts exactly there), in the datasets
+    ``save_to_disk`` layout it loads; hs_<row>.safetensors with the three aux states and a last state that
+    its verifier_norm (RMSNorm, the target's gain) maps back onto the store's last_hidden; the training
+    rows' loss-token counts; a rerun writes nothing. Its EAGLE-3 checkpoint (the layout of a CPU
+    ``speculators train --dry-run``) exports to SGLang's, and what SGLang cannot serve is refused.
+    speculators itself is not installed here (its own loader was checked with `speculators_inputs.py check`)."""
+    from collections import Counter
+
+    import pyarrow as pa
+    from safetensors.torch import load_file, save_file
+
+    from eagle3_ray.config import load_config, save_resolved
+    from eagle3_ray.features import open_store
+    from eagle3_ray.train.packing import split_store
+
+    spi = _load("speculators_inputs")
+    cfg_file = save_resolved(load_config("configs/ci-tiny.yaml", ["train.val_share=0.25"]), tmp_path)
+    store = open_store(ci_tiny_inputs / "features")
+    keep, held, _, _ = split_store(store.sample_ids, 0.25, 0, {}, [])
+    out, H = tmp_path / "spec", store.meta.hidden_size
+    args = ["inputs", "--features", str(ci_tiny_inputs / "features"), "--config", str(cfg_file), "--out", str(out)]
+    assert spi.main(args) == 0
+    summary = json.loads((out / "inputs.json").read_text())
+    order = [*map(int, keep), *map(int, held)]
+    assert summary["train_samples"] == len(keep) and summary["eval_samples"] == len(held) > 0
+    assert int(len(order) * summary["train_data_ratio"]) == len(keep)
+    assert summary["target_layer_ids"] == list(store.meta.aux_layers)
+    data = out / "data"
+    state = json.loads((data / "state.json").read_text())
+    assert state["_format_type"] == "torch" and (data / "dataset_info.json").is_file()
+    with pa.memory_map(str(data / state["_data_files"][0]["filename"])) as f:
+        table = pa.ipc.open_stream(f).read_all()  # datasets' shard: an Arrow IPC stream
+    assert table.num_rows == len(order) and table.schema.field("input_ids").type == pa.list_(pa.int64())
+    target = load_file(out / "target" / "model.safetensors")  # the seeded random target, saved as its verifier
+    w, eps = target["model.norm.weight"].float(), json.loads((out / "target" / "config.json").read_text())["rms_norm_eps"]
+    freq: Counter = Counter()
+    for k, i in enumerate(order):
+        ref = store[i]
+        ids, mask = torch.as_tensor(ref["input_ids"]).long(), torch.as_tensor(ref["loss_mask"]).long()
+        T = len(ids)
+        assert table["input_ids"][k].as_py() == ids.tolist() and table["loss_mask"][k].as_py() == mask.tolist()
+        assert table["seq_len"][k].as_py() == T
+        hs = load_file(data / "hidden_states" / f"hs_{k}.safetensors")
+        assert torch.equal(hs["token_ids"], ids)
+        assert hs["hidden_states"].dtype == torch.bfloat16 and hs["hidden_states"].shape == (T, 4, H)
+        assert torch.equal(hs["hidden_states"][:, :3].reshape(T, 3 * H), ref["aux_hidden"])
+        y = ref["last_hidden"].float()
+        assert (spi.rms_norm(hs["hidden_states"][:, 3], w, eps) - y).abs().max() <= 2**-7 * y.abs().max()
+        if k < len(keep):
+            freq.update(ids[mask.bool()].tolist())
+    assert torch.load(data / "token_freq.pt", weights_only=True) == dict(freq)
+    # a random target's gain is all ones; the inversion against a real-looking gain, on made-up states
+    g = torch.Generator().manual_seed(0)
+    gain = torch.rand(H, generator=g) * 3 + 0.05
+    y = spi.rms_norm(torch.randn(16, H, generator=g).to(torch.bfloat16), gain, 1e-5)
+    assert (spi.rms_norm(spi.pre_norm_state(y, gain), gain, 1e-5) - y).abs().max() <= 2**-7 * y.abs().max()
+    assert spi.main(args) == 0 and json.loads((out / "inputs.json").read_text())["hs_written"] == 0
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tlc = {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": H // 2, "intermediate_size": 2 * H, "vocab_size": 300,
+           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+           "layer_types": ["full_attention"], "sliding_window": 2048, "use_sliding_window": False}
+    raw = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "draft_vocab_size": 8,
+           "eagle_aux_hidden_state_layer_ids": list(store.meta.aux_layers), "norm_before_fc": True,
+           "norm_before_residual": False, "norm_output": True, "fc_norm": False, "transformer_layer_config": tlc,
+           "speculators_config": {"verifier": {"name_or_path": str(out / "target")}}}
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    save_file({"d2t": torch.arange(8), "t2d": torch.zeros(300, dtype=torch.bool), "fc.weight": torch.zeros(H, 3 * H),
+               "input_norm.weight": torch.ones(3 * H), "lm_head.weight": torch.zeros(8, H), "norm.weight": torch.ones(H),
+               "layers.0.hidden_norm.weight": torch.ones(H), "embed_tokens.weight": torch.zeros(300, H),
+               "verifier_lm_head.weight": torch.zeros(8, H)}, str(ckpt / "model.safetensors"))
+    assert spi.main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "sgl")]) == 0
+    config = json.loads((tmp_path / "sgl" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 8
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in store.meta.aux_layers]
+    assert config["norm_before_fc"] and config["norm_output"] and "layer_types" not in config
+    weights = load_file(tmp_path / "sgl" / "model.safetensors")
+    assert "embed_tokens.weight" not in weights and "verifier_lm_head.weight" not in weights  # SGLang shares the target's
+    assert weights["d2t"].dtype == torch.int64 and weights["fc.weight"].dtype == torch.bfloat16
+    for change, word in (({"norm_before_residual": True}, "norm-before-residual"),
+                         ({"transformer_layer_config": {**tlc, "layer_types": ["sliding_attention"]}}, "full-attention")):
+        (ckpt / "config.json").write_text(json.dumps({**raw, **change}))
+        with pytest.raises(SystemExit, match=word):
+            spi.main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "refused")])
