@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 README = (BENCH / "README.md").read_text()
 
-PY = sorted([*BENCH.glob("*.py"), *(BENCH / "device").glob("*.py")])
-SH = sorted([*BENCH.glob("*.sh"), *(BENCH / "device").glob("*.sh")])
+DIRS = (BENCH, BENCH / "device", BENCH / "peers")  # peers: the side-by-side runs (benchmarks/peers/README.md)
+PY = sorted(p for d in DIRS for p in d.glob("*.py"))
+SH = sorted(p for d in DIRS for p in d.glob("*.sh"))
 OVERRIDES = sorted((BENCH / "device" / "overrides").glob("*.txt"))
-SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for p in (BENCH / "device").iterdir() if p.is_file()]])
+SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for d in DIRS[1:] for p in d.iterdir()
+                                         if p.is_file() and p.name != "README.md"]])
 
 
 def _id(path: Path) -> str:
