@@ -1,6 +1,6 @@
 """Context parallelism against one worker on CPU (gloo, spawned processes, a tiny fp32 drafter): the largest
-loss, gradient and held-out metric differences of `train.context_parallel.cp_exactness`, the figure `cp_exact_cpu`
-publishes.
+loss, gradient and held-out metric differences of `cp_exactness` (tests/cp_exactness.py, the harness of
+tests/test_context_parallel.py), the figure `cp_exact_cpu` publishes.
 
     python benchmarks/cp_exact.py --out benchmarks/results/cp_exact_cpu.json     # ~30 s on 2 cores
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_ray.train.context_parallel import cp_exactness  # noqa: E402
+from tests.cp_exactness import cp_exactness  # noqa: E402
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ and ZeRO stage over a Llama-typed target of Kimi-K2.5's width, layer count and 1
 `tiny` (configs/ci-tiny.yaml). A run `SHAPE:STAGE[+KEY=VALUE...]` (STAGE a ZeRO stage or `preset`, the
 config's; each `+KEY=VALUE` one more config override for this run, e.g. `8b:1+train.loss_kernel=torch`) is
 `run_training` with one worker and --seq-token packs, in a Ray task stopped once --steps are logged
-(scale_gpus.run_capped). Figures: tokens/s over the log windows after --warmup-steps (metrics.jsonl),
+(`run_capped`). Figures: tokens/s over the log windows after --warmup-steps (metrics.jsonl),
 MFU = train_step.step_flops per pack / time / --peak-tflops, the packs' input wait, and the GPU's
 peak memory.used (nvidia-smi, polled; the caching allocator's reserve included) above its level
 before the run. A run that fails (out of memory included) is reported with its error, and the next
@@ -33,12 +33,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_gpus import (  # noqa: E402  (this directory's benchmark helpers)
-    _train_task, metric_lines, run_capped, steady_train_rate, write_heads,
-)
 from train_step import step_flops  # noqa: E402
 
 # Kimi-K2.5's width, depth and vocab as a Llama config: only the features' and heads' shapes matter here.
@@ -187,6 +185,111 @@ class GpuMemoryPeak:
         if self.peak is None or self.base is None:
             return None
         return (self.peak - self.base) / 1024
+
+
+@dataclass
+class Outcome:
+    status: str  # done | measured (stopped once its figure was in) | capped | error
+    seconds: float
+    error: str | None = None
+
+
+def run_capped(fn, args: tuple, cap_s: float, measured) -> Outcome:
+    """Run fn(*args) as a Ray task; stop it when `measured()` turns true or after cap_s seconds.
+
+    A task, not a call in this process, so that a run can be stopped: killing the task's worker
+    ends the Ray Train controller it owns (and so its GPUs).
+    """
+    import ray
+
+    t0 = time.monotonic()
+    ref = ray.remote(num_cpus=0, max_retries=0)(fn).remote(*args)
+    while True:
+        ready, _ = ray.wait([ref], timeout=2.0)
+        seconds = round(time.monotonic() - t0, 1)
+        if ready:
+            try:
+                ray.get(ref)
+                outcome = Outcome("done", seconds)
+            except Exception as e:  # the run's own error, reported in the JSON
+                outcome = Outcome("error", seconds, f"{type(e).__name__}: {e}"[-4000:])
+            break
+        status = "measured" if measured() else "capped" if seconds > cap_s else None
+        if status:
+            _stop(ref)
+            outcome = Outcome(status, seconds)
+            break
+    _wait_idle(timeout_s=30)  # the next run starts on an idle cluster
+    return outcome
+
+
+def _stop(ref) -> None:
+    import ray
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    ray.cancel(ref, force=True)
+    # Placement groups live as long as the job, not as their creator: free Ray Train's by hand.
+    for pg_id, pg in placement_group_table().items():
+        if pg["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def _wait_idle(timeout_s: float) -> None:
+    """Wait until the stopped run's actors have given back their CPUs and GPUs."""
+    import ray
+
+    total, end = ray.cluster_resources(), time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        free = ray.available_resources()
+        if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
+            return
+        time.sleep(0.5)
+
+
+def _train_task(cfg, store: str, vocab: str, out: str) -> None:
+    import ray
+
+    from eagle3_ray.train.trainer import run_training
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    run_training(cfg, store, vocab, out)
+
+
+def write_heads(target: str, info, path: Path) -> Path:
+    """Frozen target embedding and lm_head of the right shape, each tiled from a small random block: their
+    values do not change the speed, and `save_target_heads` would build a random 8B target on the CPU."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_ray.engines.heads import EMBED, LM_HEAD
+
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = info.vocab_size, info.hidden_size
+    heads = {}
+    for name in (EMBED, LM_HEAD):
+        block = torch.randn((1024, hidden), generator=g, dtype=torch.bfloat16).mul_(0.02)  # [1024, H]
+        heads[name] = block.repeat(math.ceil(vocab / 1024), 1)[:vocab].contiguous()  # [V, H]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(heads, str(path), metadata={"target": target})
+    return path
+
+
+def metric_lines(path: Path) -> list[dict]:
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    return [json.loads(s) for s in lines if s.strip().endswith("}")]  # the last may be half-written
+
+
+def steady_train_rate(lines: list[dict], warmup: int) -> tuple[float | None, int]:
+    """Global tokens/s over the log windows ending after `warmup` steps. Every step trains the same
+    tokens, so a window's time is its steps / its rate (tokens_per_s is already summed over workers)."""
+    steps, seconds, prev = 0, 0.0, 0
+    for m in lines:
+        width, prev = m["step"] - prev, m["step"]
+        if m["step"] - width >= warmup and m["tokens_per_s"] > 0:
+            steps += width
+            seconds += width / m["tokens_per_s"]
+    return (steps / seconds if seconds else None), steps
 
 
 def train_run(a, index: int, shape: str, stage: str, overrides: tuple[str, ...], root: Path, inputs: dict,

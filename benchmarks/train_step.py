@@ -1,36 +1,23 @@
-"""Drafter training-step throughput: tokens/s, MFU against a given peak, peak memory.
+"""Drafter training-step throughput: tokens/s, MFU against a given peak, peak memory, host syncs.
 
-    # Llama-3.1-8B-shaped drafter on one H200 (peak = the measured bf16 matmul figure)
-    python benchmarks/train_step.py --device cuda --dtype bfloat16 --peak-tflops 785
-    # the attention implementations in one run, after checking they agree with sdpa (loss and gradients)
-    python benchmarks/train_step.py --peak-tflops 785 --attention sdpa,varlen,flex --check
-    # the same step through DeepSpeed's engine (bf16, fp32 master weights, ZeRO stage 2), no Ray
+    python benchmarks/train_step.py --preset llama3-8b --peak-tflops 785             # one GPU (H100/H200)
+    python benchmarks/train_step.py --attention sdpa,varlen,flex --check             # each timed, checked first
     python benchmarks/train_step.py --preset kimi-k2.5 --engine deepspeed --zero-stage 2 --peak-tflops 785
-    # small and quick on a CPU
-    python benchmarks/train_step.py --preset smollm2 --seq 512 --steps 3
-    # the long-sample wall (issue 49): one sample per step, 2K, 4K, 8K, ... tokens until CUDA runs out of
-    # memory (recorded, then the sweep stops); then the same with the memory options on
-    python benchmarks/train_step.py --preset llama3-8b --peak-tflops 785 --sweep --steps 3 --json $OUT/wall_8b.json
+    python benchmarks/train_step.py --preset smollm2 --seq 512 --steps 3             # small, on a CPU
+    # the long-sample wall: one sample per step, 2K, 4K, ... until out of memory, then with the memory options
     python benchmarks/train_step.py --preset llama3-8b --peak-tflops 785 --sweep --steps 3 \
-        --loss-chunk-tokens 4096 --recompute-ttt-steps --json $OUT/wall_8b_options.json
+        [--loss-chunk-tokens 4096 --recompute-ttt-steps] --json $OUT/wall_8b.json
 
-One step = `train.step.TrainStep` (the training loop's step: `ttt_forward`, backward, gradient
-clipping, AdamW) on random features of one packed sequence, over one of two engines:
-`torch` (bf16 weights, `train.step.adamw`, fused on CUDA) or `deepspeed` (`deepspeed.initialize`
-with the training loop's `_ds_config`: bf16 with fp32 master weights, the given ZeRO stage, one rank
-in this process). `--sync-check` counts the host synchronisations of one step (CUDA's sync debug
-mode). Model FLOPs per step (counted, not measured):
-3x the drafter's forward matmuls per TTT step (forward + backward), attention scores over the
-causal prefix plus the TTT diagonal, and 1x the no-grad target-logit matmuls. Attention counts QK^T
-and PV, 2 x 2 x heads x head_dim FLOPs per (query, key) pair, for T/2 keys per query (the causal
-prefix of one T-token sample; a pack of several samples has fewer) plus step k's k diagonal keys, 3x
-for forward + backward. What the memory options recompute (--loss-chunk-tokens: one more lm_head
-forward; --recompute-ttt-steps: one more drafter forward per recomputed step, every step or the first K
-of --recompute-ttt-steps K) is not counted: model FLOPs, so the MFU shows what recomputation costs.
-
---sweep / --lengths time one sample of each length per step (the pack a longer sample makes alone,
-train/packing.py): per length tokens/s, MFU, peak memory (torch.cuda.max_memory_allocated, and the
-reserved peak), or the out-of-memory error, after which longer lengths are not tried.
+One step = `train.step.TrainStep` (the training loop's step: `ttt_forward`, backward, gradient clipping,
+AdamW) on random features of one packed sequence, over the `torch` engine (weights in --dtype,
+`train.step.adamw`) or `deepspeed` (`deepspeed.initialize` with the loop's `_ds_config`: bf16 with fp32
+master weights, the given ZeRO stage, one rank in this process). `--sync-check` counts the host
+synchronisations of one step (CUDA's sync debug mode). Model FLOPs per step (`step_flops`, counted, not
+measured): 3x the drafter's forward matmuls per TTT step (forward + backward); attention's QK^T and PV,
+2 x 2 x heads x head_dim FLOPs per (query, key) pair over T/2 causal keys plus step k's k diagonal keys,
+3x; 1x the no-grad target-logit matmuls. What the memory options recompute is not counted, so the MFU
+shows what recomputation costs. --sweep / --lengths time one sample of each length per step: tokens/s,
+MFU and peak memory per length, or the out-of-memory error, after which longer lengths are not tried.
 """
 
 from __future__ import annotations
@@ -43,6 +30,7 @@ import platform
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -76,17 +64,12 @@ def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) 
     lengths, t = [700, 500, 600], 1900
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((t - sum(lengths),), -1)])
     pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(t - sum(lengths), dtype=torch.long)])
-    batch = {
-        "input_ids": torch.randint(0, a.vocab, (1, t), generator=g),
-        "aux_hidden": torch.randn(1, t, 3 * a.hidden, generator=g).to(dtype),
-        "last_hidden": torch.randn(1, t, a.hidden, generator=g).to(dtype),
-        "loss_mask": (seq_ids >= 0)[None],
-        "position_ids": pos[None],
-        "seq_ids": seq_ids[None],
-    }
+    batch = {"input_ids": torch.randint(0, a.vocab, (1, t), generator=g),
+             "aux_hidden": torch.randn(1, t, 3 * a.hidden, generator=g).to(dtype),
+             "last_hidden": torch.randn(1, t, a.hidden, generator=g).to(dtype),
+             "loss_mask": (seq_ids >= 0)[None], "position_ids": pos[None], "seq_ids": seq_ids[None]}
     batch = {k: v.to(dev) for k, v in batch.items()}
-    res = {}
-    ref = "sdpa/torch"
+    res, ref = {}, "sdpa/torch"
     options = _memory_options(a)
     if options["loss_chunk_tokens"]:
         options["loss_chunk_tokens"] = min(options["loss_chunk_tokens"], 512)
@@ -98,8 +81,8 @@ def _check_modes(drafter, lm_head, a, dev, dtype, modes: list[tuple[str, str]]) 
         out = ttt_forward(drafter, batch, lm_head, a.ttt_steps, 0.8, attention, loss_kernel=kernel,
                           **(options if len(res) else plain))
         out.loss.backward()
-        res[mode] = (out.loss.item(), {n: p.grad.float().clone()
-                                                          for n, p in drafter.named_parameters() if p.grad is not None})
+        res[mode] = (out.loss.item(), {n: p.grad.float().clone() for n, p in drafter.named_parameters()
+                                       if p.grad is not None})
     drafter.zero_grad(set_to_none=True)
     check = {f"loss_{ref}": res[ref][0]}
     for m in res:
@@ -119,10 +102,8 @@ def sweep_lengths(a) -> list[int]:
     """--lengths as given, or --sweep: --seq, then doubling up to --max-length."""
     if a.lengths:
         return [int(x) for x in a.lengths.split(",")]
-    if not a.sweep:
-        return []
-    out = [a.seq]
-    while out[-1] * 2 <= a.max_length:
+    out = [a.seq] if a.sweep else []
+    while out and out[-1] * 2 <= a.max_length:
         out.append(out[-1] * 2)
     return out
 
@@ -142,35 +123,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--engine", choices=["torch", "deepspeed"], default="torch")
     ap.add_argument("--zero-stage", type=int, default=1, help="--engine deepspeed: ZeRO stage")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (e.g. 785 on H200)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layer and head")
-    ap.add_argument("--attention", default="auto",
-                    help="comma-separated: auto (the training loop's choice: varlen on CUDA, sdpa elsewhere), "
-                         "sdpa, varlen, flex (each timed in this run)")
-    ap.add_argument("--loss-kernel", default="auto",
-                    help="comma-separated: auto (the training loop's choice: triton on CUDA, torch elsewhere), "
-                         "triton, torch (train.loss_kernel; each timed with each --attention mode)")
-    ap.add_argument("--check", action="store_true",
-                    help="first compare loss and gradients of every --attention and --loss-kernel mode with "
-                         "sdpa's and the torch loss's on a packed batch of 3 samples")
-    ap.add_argument("--sync-check", action="store_true",
-                    help="count the host synchronisations of one step (CUDA only: torch.cuda.set_sync_debug_mode)")
-    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
-                    help="after the timed steps, N more with the device synchronised between forward, "
-                         "backward and optimizer step: the mean seconds of each")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="after the timed steps, the N device kernels taking the most time over one step "
-                         "(torch.profiler), with their share of the step's kernel time")
-    ap.add_argument("--sweep", action="store_true",
-                    help="one sample per step at --seq, then twice as long, ... up to --max-length, until the "
-                         "device runs out of memory (recorded; longer lengths are not tried)")
+    ap.add_argument("--attention", default="auto", help="comma-separated, each timed: auto (the loop's choice: "
+                    "varlen on CUDA, sdpa elsewhere), sdpa, varlen, flex")
+    ap.add_argument("--loss-kernel", default="auto", help="comma-separated, each timed with each --attention: auto "
+                    "(the loop's choice: triton on CUDA, torch elsewhere), triton, torch")
+    ap.add_argument("--check", action="store_true", help="first compare loss and gradients of every mode with "
+                    "sdpa's and the torch loss's on a packed batch of 3 samples")
+    ap.add_argument("--sync-check", action="store_true", help="count one step's host synchronisations (CUDA)")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N", help="then N steps synchronised between "
+                    "forward, backward and optimizer step: the mean seconds of each")
+    ap.add_argument("--sweep", action="store_true", help="one sample per step at --seq, twice as long, ... up to "
+                    "--max-length, until out of memory (recorded; longer lengths are not tried)")
     ap.add_argument("--max-length", type=int, default=262144, help="--sweep: the longest sample tried")
     ap.add_argument("--lengths", help="comma-separated sample lengths to sweep instead of --sweep's doubling")
-    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
-                    help="train.loss_chunk_tokens: logits and soft cross-entropy in checkpointed chunks of at most "
-                         "this many tokens (0 = off)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0, help="train.loss_chunk_tokens (0 = off)")
     ap.add_argument("--recompute-ttt-steps", nargs="?", const=True, default=False, type=int, metavar="K",
-                    help="train.recompute_ttt_steps: recompute TTT steps' activations in the backward, every "
-                         "step (no K) or the first K")
+                    help="train.recompute_ttt_steps: every step (no K) or the first K")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args(argv)
     if a.recompute_ttt_steps is not True and not 0 <= a.recompute_ttt_steps <= a.ttt_steps:
@@ -203,26 +171,19 @@ def build_drafter(a, dev: torch.device, dtype: torch.dtype):
     return drafter.to(dtype=dtype), lm_head
 
 
-def _train_settings(a) -> dict:
-    """The `train` section the DeepSpeed config is built from: the config's defaults, this ZeRO stage."""
-    from eagle3_ray.config import TrainConfig
-
-    return TrainConfig(zero_stage=a.zero_stage, ttt_steps=a.ttt_steps).model_dump()
-
-
 def make_engine(a, drafter: torch.nn.Module, dev: torch.device):
     """The engine the step runs over: `TorchEngine` + `adamw` (the weights as built), or DeepSpeed's
-    engine from the training loop's `_ds_config` (bf16 on CUDA, fp32 + gloo on CPU), one rank."""
+    engine from the training loop's `_ds_config` (bf16 on CUDA, fp32 + gloo on CPU), one rank; the
+    `train` section's defaults with this ZeRO stage."""
+    from eagle3_ray.config import TrainConfig
     from eagle3_ray.train.step import TorchEngine, adamw
 
-    t = _train_settings(a)
+    t = TrainConfig(zero_stage=a.zero_stage, ttt_steps=a.ttt_steps)
     params = [p for p in drafter.parameters() if p.requires_grad]
     if a.engine == "torch":
-        return TorchEngine(drafter, adamw(params, lr=t["lr"], weight_decay=t["weight_decay"]),
-                           grad_clip=t["grad_clip"])
+        return TorchEngine(drafter, adamw(params, lr=t.lr, weight_decay=t.weight_decay), grad_clip=t.grad_clip)
     import deepspeed
 
-    from eagle3_ray.config import TrainConfig
     from eagle3_ray.train.loop import _ds_config, _without_shm_comm_op
 
     cuda = dev.type == "cuda"
@@ -232,7 +193,7 @@ def make_engine(a, drafter: torch.nn.Module, dev: torch.device):
     if not cuda:
         _without_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, config=_ds_config(TrainConfig.model_validate(t), cuda))
+    engine, *_ = deepspeed.initialize(model=drafter, model_parameters=params, config=_ds_config(t, cuda))
     return engine
 
 
@@ -262,11 +223,9 @@ def count_syncs(fn) -> tuple[int | None, list[str]]:
 
 
 def breakdown(step, batch: dict, n: int, sync) -> dict[str, float]:
-    """Mean seconds of the step's parts over ``n`` steps, the device synchronised after each part:
-    `forward` (the TTT unroll and loss), `backward` (the engine's: DeepSpeed's gradient hooks and
-    reduction included) and `optimizer` (the engine's step: clipping, AdamW, DeepSpeed's master
-    weights). What `TrainStep.__call__` runs, taken apart; their sum exceeds the timed step, which
-    overlaps host and device work."""
+    """Mean seconds of `TrainStep.__call__`'s parts over ``n`` steps, the device synchronised after each:
+    `forward` (unroll and loss), `backward` and `optimizer` (the engine's); their sum exceeds the timed
+    step, which overlaps host and device work."""
     total = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     for _ in range(n):
         sync()
@@ -285,25 +244,6 @@ def breakdown(step, batch: dict, n: int, sync) -> dict[str, float]:
     return total
 
 
-def top_kernels(fn, n: int, sync) -> list[dict] | None:
-    """The ``n`` device kernels with the most total time over one ``fn()`` (torch.profiler), each
-    with its milliseconds, calls and share of all kernel time in that step. None off CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
-    total = sum(e.device_time_total for e in rows) or 1.0
-    rows.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [{"name": e.key, "ms": e.device_time_total / 1e3, "calls": e.count, "share": e.device_time_total / total}
-            for e in rows[:n]] + [{"name": "(all kernels)", "ms": total / 1e3, "calls": sum(e.count for e in rows),
-                                   "share": 1.0}]
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
@@ -316,35 +256,27 @@ def main(argv=None) -> int:
     hidden_dtype = torch.bfloat16 if (a.engine == "deepspeed" and dev.type == "cuda") else getattr(torch, a.dtype)
     drafter, lm_head = build_drafter(a, dev, weights)
     lm_head = lm_head.to(hidden_dtype)
-    if a.compile:
-        drafter.midlayer = torch.compile(drafter.midlayer, dynamic=True)
-        drafter.norm = torch.compile(drafter.norm, dynamic=True)
     engine = make_engine(a, drafter, dev)
-    seq = a.seq
 
     def one_sample(seq: int) -> dict:
-        return {
-            "input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
-            "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
-            "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
-            "loss_mask": torch.ones(1, seq, dtype=torch.bool, device=dev),
-            "position_ids": torch.arange(seq, device=dev)[None],
-            "seq_ids": torch.zeros(1, seq, dtype=torch.long, device=dev),
-        }
+        return {"input_ids": torch.randint(0, a.vocab, (1, seq), device=dev),
+                "aux_hidden": torch.randn(1, seq, 3 * a.hidden, device=dev, dtype=hidden_dtype),
+                "last_hidden": torch.randn(1, seq, a.hidden, device=dev, dtype=hidden_dtype),
+                "loss_mask": torch.ones(1, seq, dtype=torch.bool, device=dev),
+                "position_ids": torch.arange(seq, device=dev)[None],
+                "seq_ids": torch.zeros(1, seq, dtype=torch.long, device=dev)}
 
     lengths = sweep_lengths(a)
-    packed = None if lengths else one_sample(seq)
+    packed = None if lengths else one_sample(a.seq)
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    flops = step_flops(a, seq)
+    flops = step_flops(a, a.seq)
     attentions = list(dict.fromkeys(resolve_attention(m, dev.type) for m in a.attention.split(",")))
     kernels = list(dict.fromkeys(resolve_loss_kernel(m, dev.type) for m in a.loss_kernel.split(",")))
     check = None
     if a.check:
-        check = _check_modes(engine.module, lm_head, a, dev, hidden_dtype,
-                             [(m, k) for m in attentions for k in kernels])
-        print(f"check against sdpa: {json.dumps({k: v for k, v in check.items() if not isinstance(v, dict)})}",
-              flush=True)
+        check = _check_modes(engine.module, lm_head, a, dev, hidden_dtype, [(m, k) for m in attentions for k in kernels])
+        print(f"check against sdpa: {json.dumps({k: v for k, v in check.items() if not isinstance(v, dict)})}")
 
     def time_mode(attention: str, kernel: str, packed: dict) -> dict:
         seq = packed["input_ids"].shape[1]
@@ -368,28 +300,19 @@ def main(argv=None) -> int:
         sync()
         seconds = (time.perf_counter() - t0) / a.steps
         parts = breakdown(step, batch, a.breakdown, sync) if a.breakdown else None
-        kernels = top_kernels(lambda: step(batch), a.profile, sync) if a.profile else None
-        r = {
-            "step_seconds": seconds,
-            "tokens_per_s": seq / seconds,
-            "achieved_tflops": flops / seconds / 1e12,
-            "mfu": (flops / seconds / 1e12) / a.peak_tflops if a.peak_tflops else None,
-            # everything the step holds: weights, optimizer state (and master weights), activations
-            "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None,
-            "host_syncs_per_step": syncs,
-            "host_sync_sites": sync_sites,
-            "breakdown_seconds": parts,
-            "top_kernels": kernels,
-        }
+        cuda = dev.type == "cuda"
+        r = {"step_seconds": seconds, "tokens_per_s": seq / seconds, "achieved_tflops": flops / seconds / 1e12,
+             "mfu": (flops / seconds / 1e12) / a.peak_tflops if a.peak_tflops else None,
+             # everything the step holds: weights, optimizer state (and master weights), activations
+             "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+             "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else None,
+             "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, "breakdown_seconds": parts}
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
         print(f"[{a.engine} {attention} {kernel} T={seq}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
               + (f" (at {', '.join(sync_sites)})" if sync_sites else "")
               + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
-        for k in kernels or []:
-            print(f"  {k['share']:6.1%} {k['ms']:8.2f} ms x{k['calls']:<4} {k['name'][:110]}", flush=True)
         return r
 
     if lengths:
@@ -414,10 +337,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 def _sweep_point(run, make_batch, seq: int, engine, dev) -> dict:
     """One length of a sweep: `run(make_batch(seq))`'s figures, or the out-of-memory error (the
     gradients and cached blocks it left freed, so that the next mode starts clean)."""
@@ -426,7 +345,7 @@ def _sweep_point(run, make_batch, seq: int, engine, dev) -> dict:
     try:
         return {"length": seq, "oom": False, **run(make_batch(seq))}
     except Exception as e:  # only an out-of-memory error is recorded
-        if not _is_oom(e):
+        if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
             raise
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     engine.module.zero_grad(set_to_none=True)
@@ -438,47 +357,41 @@ def _sweep_point(run, make_batch, seq: int, engine, dev) -> dict:
     return {"length": seq, "oom": True, "error": error, "peak_memory_gib": peak}
 
 
+def _header(a, dev, *shape_keys: str) -> dict:
+    keys = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "draft_vocab", *shape_keys, "ttt_steps")
+    return {"shape": {k: getattr(a, k) for k in keys},
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "dtype": a.dtype, "engine": a.engine, "command": " ".join([sys.executable, *sys.argv])}
+
+
 def _sweep_result(a, dev, curves: dict[str, list[dict]], check: dict | None) -> dict:
     longest = {m: max((p["length"] for p in c if not p["oom"]), default=None) for m, c in curves.items()}
     return {
-        "shape": {k: getattr(a, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
-                                             "draft_vocab", "ttt_steps")},
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "dtype": a.dtype,
-        "engine": a.engine,
+        **_header(a, dev),
         "peak_tflops": a.peak_tflops,
         "memory_options": _memory_options(a),
-        "flops_counted": "model FLOPs (module docstring): 3x forward matmuls per TTT step, attention QK^T and PV "
-                         "over T/2 causal keys + the step's diagonal keys, 3x; recomputation not counted",
+        "flops_counted": "model FLOPs (benchmarks/train_step.py's docstring): recomputation not counted",
         "sweep": curves,  # per mode: one point per length, in order, up to the first out-of-memory one
         "longest_trained": longest,
         "check": check,
-        "command": " ".join([sys.executable, *sys.argv]),
     }
 
 
 def _write(path: str | None, result: dict) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(path).write_text(json.dumps(result, indent=2))
 
 
 def _result(a, dev, flops: float, modes: dict, check: dict | None) -> dict:
     best = max(modes.values(), key=lambda r: r["tokens_per_s"])
     return {
-        "shape": {k: getattr(a, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
-                                             "draft_vocab", "seq", "ttt_steps")},
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "dtype": a.dtype,
-        "compile": a.compile,
-        "engine": a.engine,
+        **_header(a, dev, "seq"),
         "zero_stage": a.zero_stage if a.engine == "deepspeed" else None,
         "model_tflops_per_step": flops / 1e12,
         "modes": modes,
         "check": check,
         **best,
         "best_mode": max(modes, key=lambda m: modes[m]["tokens_per_s"]),
-        "command": " ".join([sys.executable, *sys.argv]),
     }
 
 

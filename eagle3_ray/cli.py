@@ -1,9 +1,12 @@
 """`eagle3-ray` command line: one subcommand per stage, plus `run` for the whole pipeline.
 
-Every subcommand takes `-c CONFIG` and trailing `section.field=value` overrides, e.g.
+Every subcommand but `export` takes `-c CONFIG` and trailing `section.field=value` overrides, e.g.
 
     eagle3-ray extract -c configs/demo-smollm2.yaml --data runs/demo/prepare --out runs/demo/features \\
         extract.batch_tokens=4096 target.aux_layers=[2,15,27]
+
+`eagle3-ray config -c CONFIG [overrides] [--explain]` prints the resolved config (with each field's
+description and default); `eagle3-ray <command> --help` names the config sections the command reads.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle3_ray import errors, ray_session
+from eagle3_ray import errors, ray_session, version_text
 from eagle3_ray.audit.cli import add_verify_parser, verify_command
-from eagle3_ray.config import load_config
+from eagle3_ray.config import STAGE_SECTIONS, load_config
 from eagle3_ray.errors import ConfigError, Eagle3Error
 from eagle3_ray.metrics import record_bench
 from eagle3_ray.out_lock import out_lock
@@ -28,43 +31,69 @@ from eagle3_ray.progress import configure_logging
 # `--help`, a bad argument or a refused path answers without loading them.
 
 
-def _common(p: argparse.ArgumentParser, data: bool = True, out_required: bool = True) -> None:
+def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="pipeline YAML (see configs/); default: all schema defaults")
-    if data:
-        p.add_argument("--data", help="input file or directory (overrides data.path)")
-    p.add_argument("--out", required=out_required, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
 
 
+def _common(p: argparse.ArgumentParser, data: bool = True, out_required: bool = True) -> None:
+    _config_args(p)
+    if data:
+        p.add_argument("--data", help="input file or directory (overrides data.path)")
+    p.add_argument("--out", required=out_required, help="output directory")
+
+
+def _stage(sub, name: str, help: str):
+    """A command's parser; its --help names the config sections the command reads."""
+    sections = ", ".join(STAGE_SECTIONS[name])
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                          epilog=f"Config sections read: {sections} (`eagle3-ray config -c CONFIG --explain` "
+                                 "describes their fields).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3-ray", description=__doc__.split("\n")[0])
+    # Raw: argparse would wrap --version's one line at the terminal's width
+    parser = argparse.ArgumentParser(prog="eagle3-ray", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="read conversations, quarantine bad ones, tokenize with loss masks")
+    p = _stage(sub, "prepare", "read conversations, quarantine bad ones, tokenize with loss masks")
     _common(p)
-    p = sub.add_parser("generate", help="self-distillation: the target writes the assistant turns")
+    p = _stage(sub, "generate", "self-distillation: the target writes the assistant turns")
     _common(p)
-    p = sub.add_parser("extract", help="capture target hidden states into the feature store")
+    p = _stage(sub, "extract", "capture target hidden states into the feature store")
     _common(p)
-    p = sub.add_parser("vocab", help="draft vocabulary map (d2t/t2d) from loss-masked token counts")
+    p = _stage(sub, "vocab", "draft vocabulary map (d2t/t2d) from loss-masked token counts")
     _common(p, data=False)
     p.add_argument("--features", required=True, help="feature store directory")
-    p = sub.add_parser("train", help="train the drafter on Ray Train + DeepSpeed")
+    p = _stage(sub, "train", "train the drafter on Ray Train + DeepSpeed")
     _common(p, data=False)
     p.add_argument("--features", required=True, help="feature store directory")
     p.add_argument("--vocab", help="vocab map file or dir (default: <features>/../vocab)")
-    p = sub.add_parser("export", help="write the SGLang/vLLM drafter directory from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="training checkpoint (or training output) dir")
+    p = sub.add_parser("export", help="write the SGLang/vLLM drafter directory from a checkpoint",
+                       epilog="Takes no config: the checkpoint holds the drafter's.")
+    p.add_argument("--checkpoint", required=True,
+                   help="the --out of `eagle3-ray train` (or its Ray Train storage), or one checkpoint_* dir")
+    p.add_argument("--which", choices=["best", "latest"],
+                   help="which checkpoint of the run: best = the best held-out tau (train.keep_best), latest = the "
+                        "newest; default: best where the run kept one, else latest")
     p.add_argument("--out", required=True, help="export directory")
     p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
-    p = sub.add_parser("bench", help="benchmark speculative decoding with a trained drafter")
+    p = _stage(sub, "bench", "benchmark speculative decoding with a trained drafter")
     _common(p, data=False)
     p.add_argument("--drafter", required=True, help="exported drafter directory")
     p.add_argument("--prompts", help="MT-bench-style JSONL (overrides bench.prompts)")
-    p = sub.add_parser("run", help="the whole pipeline, resumable stage by stage")
+    p = _stage(sub, "run", "the whole pipeline, resumable stage by stage")
     _common(p, out_required=False)
     p.add_argument("--stop-after", choices=["generate", "prepare", "extract", "vocab", "train", "export"],
                    help="end the run after this stage (rerun without it to continue)")
+    p = sub.add_parser("config", help="print the resolved config (YAML); --explain adds every field's meaning",
+                       description="Print the resolved config: -c CONFIG with the overrides applied and validated, "
+                                   "as YAML that loads again with -c (the config.resolved.yaml each stage saves).")
+    _config_args(p)
+    p.add_argument("--explain", action="store_true",
+                   help="precede each field with its description and default, as YAML comments")
     add_verify_parser(sub)
     return parser
 
@@ -186,6 +215,11 @@ def _dispatch(args) -> int:
     if cmd == "verify":  # no Ray, no --out: eagle3_ray/audit/cli.py
         return verify_command(args)
     cfg = None if cmd == "export" else _load(args)
+    if cmd == "config":
+        from eagle3_ray.config.explain import render
+
+        sys.stdout.write(render(cfg, explain=args.explain))
+        return 0
     # Every path and model argument, before Ray starts (or --out is created): eagle3_ray/preflight.py.
     check_command(cmd, args, cfg)
     if args.out:
@@ -193,7 +227,7 @@ def _dispatch(args) -> int:
     if cmd == "export":
         from eagle3_ray.train.checkpoint import export_from_training
 
-        path = export_from_training(args.checkpoint, args.out, engine=args.engine)
+        path = export_from_training(args.checkpoint, args.out, engine=args.engine, which=args.which)
         print(f"[export] drafter for {args.engine} -> {path}")
         return 0
     if cmd == "run":  # run_pipeline holds the output lock itself
@@ -227,7 +261,7 @@ def _stage_command(cmd: str, cfg, args) -> int:
         from eagle3_ray.extract.prepared import prepared_path
 
         data = args.data or cfg.data.path
-        if data is None or prepared_path(data) is None:
+        if data is None or isinstance(data, list) or prepared_path(data) is None:
             data = run_prepare(cfg, data, Path(args.out) / "_prepared").prepared
         run_extract(cfg, data, args.out, target_info=target_info)
     elif cmd == "vocab":

@@ -24,7 +24,7 @@ from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.report import REPORT_NAME
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
-from eagle3_ray.data.sources import Sample, file_fingerprint, input_path, read_samples
+from eagle3_ray.data.sources import Sample, input_paths, inputs_fingerprint, read_samples
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.extract.generate_stage import run_generate
 from eagle3_ray.extract.pipeline import run_extract
@@ -56,8 +56,9 @@ STAGE_DEPS = {
 
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
-# The long-sample memory options too: the same loss and gradients, only what the backward recomputes.
-UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps"),
+# The long-sample memory options too: the same loss and gradients, only what the backward recomputes;
+# and the experiment trackers, which get the metrics that metrics.jsonl gets.
+UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps", "trackers", "tracking"),
             "target": ("sglang.max_concurrent_calls",)}
 
 
@@ -68,11 +69,17 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
                             if k not in ("samples_per_prompt", "sample_temperature")}
     if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
         full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
+    if full["generate"]["after_tools"] == "keep":  # the default: the hash of runs before the option
+        full["generate"] = {k: v for k, v in full["generate"].items() if k != "after_tools"}
     for key in ("val_groups", "eval_only"):  # none: the hash of runs before the options
         if not full["train"][key]:
             full["train"].pop(key)
     if full["train"]["context_parallel"] == 1:  # off: the hash of runs before the option (on: other packs)
         full["train"].pop("context_parallel")
+    if full["train"]["warmup_ratio"] is None:  # unset: the hash of runs before the option
+        full["train"].pop("warmup_ratio")
+    if full["train"]["keep_best"] == "held_out_tau":  # the default: the hash of runs before the option (none:
+        full["train"].pop("keep_best")                # export takes another checkpoint)
     # The bench's engine options, where they change nothing: the hash of runs before them.
     unused = {"engine"} if cfg.bench.engine == "auto" else set()
     if cfg.bench.bench_engine(cfg.target.backend) == "hf":
@@ -155,9 +162,12 @@ class StageRunner:
 
 
 def _needs_generation(cfg: PipelineConfig, data: str | None) -> bool:
-    path = input_path(data, cfg.data)
-    for item in read_samples(path, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
-        if isinstance(item, Sample) and item.needs_generation:
+    from eagle3_ray.data.distill import needs_answers
+
+    regenerate = cfg.generate.after_tools == "regenerate"
+    paths = input_paths(data, cfg.data)
+    for item in read_samples(paths, cfg.data.format, cfg.data.max_samples, cfg.data.system_prompt):
+        if isinstance(item, Sample) and needs_answers(item, regenerate):
             return True
     return False
 
@@ -177,7 +187,7 @@ def check_inputs(cfg: PipelineConfig, data: str | None, out: Path) -> None:
     whose records share ids, such as its line numbers) would keep the old answers and features.
     The same content at another path passes. An out dir without the record (written before it
     existed) is taken as written from this data."""
-    now = file_fingerprint(input_path(data, cfg.data))
+    now = inputs_fingerprint(input_paths(data, cfg.data))
     record = out / INPUTS
     if record.is_file():
         before = json.loads(record.read_text(encoding="utf-8"))
@@ -239,6 +249,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     bench = stages.dir("bench")
     summary = {
         "drafter": str(drafter),
+        "best_checkpoint": _best_checkpoint(stages.dir("train")),
         "report": str(bench / REPORT_NAME),
         "results": str(bench / RESULTS_NAME),
         **results,
@@ -248,6 +259,12 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
     write_json(out / "summary.json", summary, newline=False)
     _print_summary(summary)
     return summary
+
+
+def _best_checkpoint(train: Path) -> dict[str, Any] | None:
+    """The training summary's best checkpoint (train.keep_best), which export took; None for none."""
+    summary = train / "summary.json"
+    return json.loads(summary.read_text(encoding="utf-8")).get("best") if summary.is_file() else None
 
 
 def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -267,4 +284,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
     say(f"  speedup over plain generation: {speed}")
     say(f"  drafter (SGLang layout): {s['drafter']}")
+    if s.get("best_checkpoint"):
+        b = s["best_checkpoint"]
+        say(f"    from the best checkpoint: step {b['step']}, held-out tau {b['val_tau']:.3f} ({b['margin']:+.3f} over "
+            f"the last evaluation, step {b['last_eval_step']})")
     say(f"  report: {s['report']}")

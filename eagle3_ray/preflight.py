@@ -15,8 +15,9 @@ and the marker files that make it what the command needs, and raises the specifi
     existing store     extract (--out)                   extracted from this target (extract adds to it)
     vocab map          train (--vocab, else              vocab_map.safetensors (d2t, t2d) for the store's
                        <features>/../vocab)              target
-    checkpoint         export (--checkpoint)             train_state.json, in the layout train writes
-                                                         (train/checkpoint.py: never searched deeper)
+    checkpoint         export (--checkpoint, --which)    train_state.json, in the layout train writes
+                                                         (train/checkpoint.py: never searched deeper);
+                                                         --which best: the best checkpoint kept
     drafter            bench (--drafter),                drafter_config.json + drafter.safetensors, or
                        train.init_from                   config.json (EAGLE-3) + model.safetensors
     prompt set         bench (--prompts, bench.prompts)  a JSONL/JSON file (or builtin:<name>) of prompts
@@ -41,9 +42,9 @@ from eagle3_ray.errors import ConfigError, DataError, StoreError, require_dir
 def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
     """Refuse the command's inputs that cannot work (the table in the module docstring)."""
     if command == "export":
-        from eagle3_ray.train.checkpoint import find_checkpoint
+        from eagle3_ray.train.checkpoint import select_checkpoint
 
-        find_checkpoint(args.checkpoint)
+        select_checkpoint(args.checkpoint, getattr(args, "which", None))
         return
     assert cfg is not None
     data_arg = getattr(args, "data", None)
@@ -70,6 +71,10 @@ def check_command(command: str, args: Any, cfg: PipelineConfig | None) -> None:
         drafter = check_drafter_dir(args.drafter, "--drafter", foreign_ok=cfg.target.backend == "sglang")
         check_drafter_fits_target(drafter, cfg, f"--drafter {args.drafter}")
         check_prompts(cfg, args.prompts)
+    if command in ("train", "run"):
+        from eagle3_ray.train.trackers import check_installed
+
+        check_installed(cfg.train.trackers)
     if command in ("train", "run") and cfg.train.init_from:
         from eagle3_ray.drafter.export import check_drafter_dir
 
@@ -106,8 +111,8 @@ def check_drafter_fits_target(drafter, cfg: PipelineConfig, what: str) -> None:
         )
 
 
-def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str, str]:
-    """(the path, how the user gave it) of a stage's conversations."""
+def _data_source(cfg: PipelineConfig, data: str | None) -> tuple[str | list[str], str]:
+    """(the path or paths, how the user gave them) of a stage's conversations."""
     if data:
         return data, f"--data {data}"
     if cfg.data.path:
@@ -136,14 +141,17 @@ def check_conversations(cfg: PipelineConfig, data: str | None, need_answers: boo
     Reads only up to the first such record, so a good file costs milliseconds."""
     from eagle3_ray.data.sources import Reject, read_samples
 
+    from eagle3_ray.data.sources import path_list
+
     path, what = _data_source(cfg, data)
-    file = _existing_file(path, what, "conversations", alternative)
+    files = [_existing_file(p, what if isinstance(path, str) else f"{p} (in {what})", "conversations", alternative)
+             for p in path_list(path)]
     rejected: list[str] = []
     prompts = 0
-    for item in read_samples(file, cfg.data.format, None, cfg.data.system_prompt):
+    for item in read_samples(files, cfg.data.format, None, cfg.data.system_prompt):
         if isinstance(item, Reject):
             rejected.append(f"{item.source}: {item.reason}")
-        elif need_answers and item.needs_generation:
+        elif need_answers and not any(m["role"] == "assistant" for m in item.messages):
             prompts += 1
         else:
             return
@@ -165,6 +173,9 @@ def check_extract_input(cfg: PipelineConfig, data: str | None) -> None:
     from eagle3_ray.extract.prepared import PREPARED_FILE, prepared_path
 
     path, what = _data_source(cfg, data)
+    if isinstance(path, list):  # several files of conversations, prepared first
+        check_conversations(cfg, data, need_answers=True)
+        return
     if prepared_path(path) is not None:
         return
     p = Path(path).expanduser()

@@ -88,7 +88,7 @@ def pytest_make_collect_report(collector):
 # (make test-fast) every Ray started by a test lands in a temp dir of its own, checked per test,
 # so an unmarked test that starts Ray fails instead of slowing the inner loop down.
 RAY_FIXTURES = {"ray_local", "local_head", "submitted_pipeline_job", "ci_tiny_prepared", "ci_tiny_inputs",
-                "ci_tiny_run", "ci_tiny_fp8_pair", "trained_4_steps"}
+                "ci_tiny_run", "ci_tiny_fp8_pair", "trained_4_steps", "trained_4_then_6"}
 _FAST = os.environ.get("EAGLE3_TEST_FAST") == "1"
 if _FAST:
     import tempfile
@@ -198,12 +198,28 @@ def trained_4_steps(ci_tiny_inputs, ci_tiny_fp8_pair, tmp_path_factory):
     copies of ``out``."""
     from eagle3_ray.config import load_config
     from eagle3_ray.train.trainer import run_training
-    from test_train import CI_CONFIG, TRAIN_4
+    from test_train import CI_CONFIG, TRACKED, TRAIN_4
 
     features = ci_tiny_fp8_pair[1]
     out = tmp_path_factory.mktemp("trained_4_steps") / "train"
-    ckpt = run_training(load_config(CI_CONFIG, TRAIN_4), features, ci_tiny_inputs / "vocab_groups", out)
+    ckpt = run_training(load_config(CI_CONFIG, [*TRAIN_4, *TRACKED]), features, ci_tiny_inputs / "vocab_groups", out)
     return out, ckpt.relative_to(out), features
+
+
+@pytest.fixture(scope="session")
+def trained_4_then_6(trained_4_steps, ci_tiny_inputs, tmp_path_factory):
+    """A copy of ``trained_4_steps`` resumed to step 6 (the same command with train.max_steps=6), its
+    trackers continuing their runs: test_train.py's resume, export and keep-best tests and
+    test_trackers.py read it. Returns (out, final checkpoint)."""
+    import shutil
+
+    from eagle3_ray.config import load_config
+    from eagle3_ray.train.trainer import run_training
+    from test_train import CI_CONFIG, TRACKED, TRAIN_4
+
+    out = shutil.copytree(trained_4_steps[0], tmp_path_factory.mktemp("trained_4_then_6") / "train")
+    more = load_config(CI_CONFIG, [*TRAIN_4, *TRACKED, "train.max_steps=6"])
+    return out, run_training(more, trained_4_steps[2], ci_tiny_inputs / "vocab_groups", out)
 
 
 @pytest.fixture(scope="session")

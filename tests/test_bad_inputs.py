@@ -4,6 +4,8 @@ One table, one row per kind. A row either
   - quarantines: the bad record becomes a reject with its reason and the good records around it are kept;
   - raises: a specific ``eagle3_ray.errors`` type whose message matches;
   - goes through the CLI: exit code 2 and exactly one ``eagle3-ray <cmd>: error: ...`` line, no traceback.
+Each kind of bad agentic record (tool calls, tool results, tools, reasoning) has two rows: quarantined
+among good records, and alone, refused by `prepare` with the record's file:line and fix in that line.
 Files live in tests/data/bad/; inputs too large to ship (a multi-megabyte line) or that need a real
 store/checkpoint are made in tmp_path by the row itself. No Ray: every check here runs before Ray
 would start, which is the point (fail before spending cluster time). Wrong *paths* (a directory that
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +41,7 @@ class Case:
     expect: type[Exception] | str  # an error type, "quarantine", or "cli"
     match: str  # regex the reason / message / error line must contain
     kept: int = 0  # good records that must survive a quarantine
+    blocked: tuple[str, ...] = ()  # modules made unimportable for the row (a package that is not installed)
 
 
 # ---------------------------------------------------------------- triggers
@@ -192,8 +196,67 @@ def _unwritable_out(tmp: Path) -> list[str]:
     return ["prepare", "-c", CI_CONFIG, "--out", str(tmp / "a-file" / "prepare")]
 
 
+def _run_with_best(tmp: Path, best: dict | None, step: int = 4) -> Path:
+    """A training --out whose one checkpoint (of ``step``) records ``best`` (None: the run kept none)."""
+    state = {"step": step, "identity": {}, **({"best": best} if best else {})}
+    _checkpoint(tmp, json.dumps(state))
+    return tmp / "train"
+
+
+def _export(tmp: Path, run: Path, *extra: str) -> list[str]:
+    return ["export", "--checkpoint", str(run), *extra, "--out", str(tmp / "drafter")]
+
+
+def _tracker_cannot_start(tmp: Path) -> None:
+    """MLflow's store under a path that cannot be a directory: the tracker's own error, as a user error."""
+    from eagle3_ray.train.trackers import Trackers
+
+    (tmp / "a-file").write_text("not a directory")
+    cfg = load_config(CI_CONFIG, ["train.trackers=[mlflow]",
+                                  f"train.tracking.mlflow_tracking_uri=file://{tmp}/a-file/x"])
+    Trackers.start(cfg.train, cfg.name, tmp / "train", resumed_from=0)
+
+
 def _config(name: str) -> Callable[[Path], list[str]]:
     return lambda tmp: ["prepare", "-c", str(BAD / name), "--out", str(tmp / "out")]
+
+
+def _alone(name: str) -> Callable[[Path], list[str]]:
+    """`prepare` over the bad record of ``name`` alone (its good "ok-" records left out): nothing is usable,
+    so the CLI refuses the data before Ray starts, naming the record's file:line and its fix."""
+    def argv(tmp: Path) -> list[str]:
+        lines = [line for line in (BAD / name).read_text(encoding="utf-8").splitlines() if '"ok-' not in line]
+        (tmp / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return ["prepare", "-c", CI_CONFIG, "--data", str(tmp / name), "--out", str(tmp / "out")]
+    return argv
+
+
+def _bench_prompts(name: str) -> Callable[[Path], list[str]]:
+    """`run` with ``name`` as its benchmark prompts: refused in the preflight, before any stage."""
+    return lambda tmp: ["run", "-c", CI_CONFIG, "--out", str(tmp / "run"), f"bench.prompts={BAD / name}"]
+
+
+# Agentic records (data/messages.py): each quarantined among good records, and alone refused by the CLI.
+AGENTIC = [
+    ("tool_result_without_call", r"turn 3 is a tool result, but turn 2 \(assistant\) calls no tool; give that turn "
+                                 r"its tool_calls or drop the result"),
+    ("missing_tool_result", r"turn 3 \(user\) comes while the tool call 'c1' has no result; give each call of an "
+                            r"assistant turn its result"),
+    ("unknown_tool_call_id", r"turn 3 \(tool\): tool_call_id 'c9' answers no open call \(open: \['c1'\]\); fix the id"),
+    ("tool_arguments_not_json", r"turn 2 \(assistant\): tool_calls\[0\]: the arguments are not JSON .*; write a JSON "
+                                r"object"),
+    ("tool_call_without_name", r"tool_calls\[0\] has no function name; write \{\"function\": \{\"name\""),
+    ("tool_result_not_text", r"turn 3 \(tool\): the result is a JSON object; write it as a string"),
+    ("tools_not_a_list", r"'tools' is a JSON object; it must be a list of tool definitions"),
+    ("reasoning_not_text", r"turn 2 \(assistant\): reasoning_content is a JSON array, expected a string"),
+    ("sharegpt_function_call_not_json", r"turn 2 \(function_call\): the value is not JSON .*; write \{\"name\": "),
+]
+AGENTIC_CASES = [
+    row for kind, reason in AGENTIC for row in (
+        Case(kind, lambda t, k=kind: _read(f"{k}.jsonl"), "quarantine", reason, kept=1),
+        Case(f"{kind}_alone", _alone(f"{kind}.jsonl"), "cli", rf"{kind}\.jsonl:1: .*{reason}"),
+    )
+]
 
 
 CASES = [
@@ -204,11 +267,24 @@ CASES = [
     Case("empty_conversation", lambda t: _read("empty_conversation.jsonl"), "quarantine", r"empty conversation", kept=1),
     Case("empty_content", lambda t: _read("empty_content.jsonl"), "quarantine", r"empty content", kept=1),
     Case("wrong_role_order", lambda t: _read("wrong_role_order.jsonl"), "quarantine", r"wrong role order", kept=1),
-    Case("unknown_role", lambda t: _read("unknown_role.jsonl"), "quarantine", r"unknown role 'tool'", kept=1),
+    Case("unknown_role", lambda t: _read("unknown_role.jsonl"), "quarantine", r"unknown role 'narrator'", kept=1),
     Case("unrecognised_shape", lambda t: _read("unrecognised_shape.jsonl"), "quarantine", r"expected|no known|record",
          kept=1),
     Case("duplicate_id", lambda t: _read("duplicate_id.jsonl"), "quarantine", r"duplicate id 'ok-1' \(first at", kept=2),
     Case("huge_single_line", _huge_line, "quarantine", r"malformed JSON", kept=2),
+    *AGENTIC_CASES,
+    # several data files: the list itself, and each file in it
+    Case("data_path_empty_list", lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"), "data.path=[]"], "cli",
+         r"data\.path: .*at least one file"),
+    Case("data_path_list_missing_file",
+         lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"), f"data.path=[builtin:ci_tiny, {t}/none.jsonl]"],
+         "cli", r"none\.jsonl \(in data\.path=\[.*\]\) does not exist; pass a JSONL/JSON file"),
+    # benchmark prompts in the chat forms: a bad record fails the set, before any stage runs
+    Case("bench_chat_tool_without_call", _bench_prompts("bench_chat_tool_without_call.jsonl"), "cli",
+         r"bench_chat_tool_without_call\.jsonl:1: wrong role order: turn 3 is a tool result, but turn 2 \(assistant\) "
+         r"calls no tool; give that turn its tool_calls or drop the result"),
+    Case("bench_chat_with_answers", _bench_prompts("bench_chat_with_answers.jsonl"), "cli",
+         r"bench_chat_with_answers\.jsonl:1: 'answers' belongs to the 'turns' form.*drop 'answers'"),
     # tokenization: quarantined with the reason (prepare writes it to rejects.jsonl)
     Case("no_assistant_turn", lambda t: _tokenize("no_assistant_turn.jsonl"), "quarantine",
          r"no assistant turn.*self-distillation"),
@@ -238,6 +314,32 @@ CASES = [
     Case("truncated_checkpoint_weights", _truncated_weights, "cli", r"drafter\.safetensors is not a readable safetensors"),
     Case("drafter_for_another_target", _drafter_for_other_target, ConfigError,
          r"states of width 96, this target's are 64; use a drafter trained for this target"),
+    # experiment trackers (train.trackers): refused before Ray starts, or when one cannot start
+    Case("unknown_tracker", lambda t: ["train", "-c", CI_CONFIG, "--features", str(t), "--out", str(t / "o"),
+                                       "train.trackers=[tensorboard,comet]"], "cli",
+         r"train\.trackers\.1: Input should be 'tensorboard', 'mlflow' or 'wandb' \(got 'comet'\)"),
+    Case("tracker_listed_twice", lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                            "train.trackers=[wandb,mlflow,wandb]"], "cli",
+         r"train\.trackers: .*\['wandb'\] listed more than once; name each tracker once"),
+    Case("tracker_not_installed", lambda t: ["run", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                             "train.trackers=[tensorboard,wandb]"], "cli",
+         r"train\.trackers lists \['wandb'\], not installed here: pip install 'eagle3-ray\[wandb\]'",
+         blocked=("wandb",)),
+    Case("unknown_wandb_mode", lambda t: ["prepare", "-c", CI_CONFIG, "--out", str(t / "o"),
+                                          "train.tracking.wandb_mode=cloud"], "cli",
+         r"train\.tracking\.wandb_mode: Input should be 'online', 'offline' or 'disabled'"),
+    Case("tracker_cannot_start", _tracker_cannot_start, ConfigError,
+         r"train\.trackers: mlflow could not start: .*Not a directory.*; check train\.tracking\.mlflow_tracking_uri"),
+    # export of the best checkpoint (train.keep_best) where there is none
+    Case("export_best_of_a_run_without_one", lambda t: _export(t, _run_with_best(t, None), "--which", "best"), "cli",
+         r"--which best: the run in --checkpoint .*/train kept no best checkpoint .*train\.val_share=0.*; "
+         r"pass --which latest"),
+    Case("export_best_checkpoint_gone", lambda t: _export(t, _run_with_best(t, {"step": 2, "val_tau": 1.5})), "cli",
+         r"kept its best checkpoint at step 2 \(held-out tau 1\.500\), and no checkpoint_\* of that step is there "
+         r"any more; pass --which latest"),
+    Case("export_which_of_one_checkpoint",
+         lambda t: _export(t, _run_with_best(t, None) / "checkpoint_000000", "--which", "latest"), "cli",
+         r"--which latest: --checkpoint .*checkpoint_000000 is one checkpoint, not a training run; drop --which"),
 ]
 
 
@@ -246,7 +348,9 @@ def test_the_corpus_covers_at_least_15_kinds():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
-def test_bad_input_gets_a_specific_error_or_quarantine(case: Case, tmp_path, capsys):
+def test_bad_input_gets_a_specific_error_or_quarantine(case: Case, tmp_path, capsys, monkeypatch):
+    for module in case.blocked:  # `import module` now fails, as without the package
+        monkeypatch.setitem(sys.modules, module, None)
     if case.expect == "quarantine":
         reasons, kept = case.run(tmp_path)
         assert reasons, f"{case.kind}: nothing was rejected"

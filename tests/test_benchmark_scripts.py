@@ -2,7 +2,7 @@
 benchmarks/README.md; each Python script answers --help (or, with no command line, imports); each
 shell script parses (bash -n); each override file loads with the preset it is run with; and the
 scripts that have a run of a few seconds on a CPU do that run, through the product's own entry
-points (TrainStep, decode.generate, BenchActor, the pack loader, the capture writer). None starts Ray.
+points (TrainStep, the bench's prompt sets, the training reader). None starts Ray.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 README = (BENCH / "README.md").read_text()
 
-PY = sorted([*BENCH.glob("*.py"), *(BENCH / "device").glob("*.py")])
-SH = sorted([*BENCH.glob("*.sh"), *(BENCH / "device").glob("*.sh")])
+DIRS = (BENCH, BENCH / "device", BENCH / "peers")  # peers: the side-by-side runs (benchmarks/peers/README.md)
+PY = sorted(p for d in DIRS for p in d.glob("*.py"))
+SH = sorted(p for d in DIRS for p in d.glob("*.sh"))
 OVERRIDES = sorted((BENCH / "device" / "overrides").glob("*.txt"))
-SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for p in (BENCH / "device").iterdir() if p.is_file()]])
+SCRIPTS = sorted([*PY, *SH, *OVERRIDES, *[p for d in DIRS[1:] for p in d.iterdir()
+                                         if p.is_file() and p.name != "README.md"]])
 
 
 def _id(path: Path) -> str:
@@ -171,38 +173,6 @@ def test_train_step_sweep_records_out_of_memory_and_stops():
         bench._sweep_point(bad, lambda n: None, 64, Engine(), torch.device("cpu"))
 
 
-def test_spec_decode_tiny_cpu_run(tmp_path):
-    out = tmp_path / "spec.json"
-    _run(["benchmarks/spec_decode.py", "--target", "random:builtin:tiny-llama", "--num-prompts", "1",
-          "--max-new-tokens", "4", "--topk", "2", "--depth", "2", "--total-tokens", "4", "--json", str(out)])
-    text = out.read_text()
-    assert "chain" in text and "tree" in text
-
-
-def test_spec_graphed_tiny_cpu_run(tmp_path):
-    """The BenchActor path of benchmarks/device/spec_graphed.py (its --tiny mode: a random tiny Llama)."""
-    _run(["benchmarks/device/spec_graphed.py", "--tiny", "--out", str(tmp_path), "--max-prompts", "1",
-          "--max-new-tokens", "4"])
-    got = json.loads((tmp_path / "spec_h200.json").read_text())
-    assert got["summary"]["bf16_unexplained_divergences"] == 0
-
-
-def test_ingest_compact_tiny_cpu_run(tmp_path):
-    out = tmp_path / "ingest.json"
-    _run(["benchmarks/ingest_compact.py", "--hidden", "64", "--vocab", "256", "--pack-tokens", "256", "--packs", "2",
-          "--min-len", "16", "--max-len", "64", "--row-tokens", "128", "--repeats", "1", "--work", str(tmp_path / "w"),
-          "--out", str(out)])
-    assert json.loads(out.read_text())
-
-
-def test_capture_writer_gil_tiny_cpu_run(tmp_path):
-    out = tmp_path / "gil.json"
-    (tmp_path / "cap").mkdir()
-    _run(["benchmarks/capture_writer_gil.py", "--dir", str(tmp_path / "cap"), "--requests", "2", "--rows", "8",
-          "--hidden", "16", "--batches", "2", "--repeats", "1", "--json", str(out)])
-    assert json.loads(out.read_text())
-
-
 def test_train_prompts_holds_out_the_evaluation_sets(tmp_path):
     """benchmarks/train_prompts.py on a tiny copy of ../shared/data's layout: a training prompt that is
     also an evaluation prompt is dropped; --eval-only-mt-bench appends MT-bench as mtbench-<id>."""
@@ -236,16 +206,6 @@ def test_train_prompts_holds_out_the_evaluation_sets(tmp_path):
         [{"id": "mtbench-81", "turns": ["Write a haiku.", "Shorter."]}]
 
 
-def test_long_capture_tiny_cpu_run(tmp_path):
-    """benchmarks/device/long_capture.py --tiny: the HF engine's capture of a 4,096-token sample has one row per
-    token, and its first 2,048 rows equal a capture of the first 2,048 tokens (fp32; bit-equal here)."""
-    _run(["benchmarks/device/long_capture.py", "--tiny", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
-    got = json.loads((tmp_path / "long_capture.json").read_text())
-    hf = got["parts"]["hf"]
-    assert got["summary"]["hf"]["rows_exact"] and hf["long"]["rows"] == 4096 and hf["prefix"]["rows"] == 2048
-    assert hf["prefix_error"]["max_rel_to_row"] <= 64 * 1.2e-7
-
-
 def _long_eval_data(tmp_path):
     """A tiny copy of ../shared/data's held-out sets (the layout benchmarks/long_eval_set.py reads)."""
     data = tmp_path / "data"
@@ -275,6 +235,7 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     (per-turn bench records pooled by prompt tokens)."""
     sys.path.insert(0, str(BENCH))
     import long_eval_set as les
+    import long_tau
 
     from eagle3_ray.bench.prompts import load_prompt_sets
     from eagle3_ray.data.sources import Sample, read_samples
@@ -349,7 +310,7 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
     (bench / "partial" / "256.json").write_text(json.dumps({"records": {"chain": [rec(100, 2.0, 10), rec(200, 3.0, 30)],
                                                                         "baseline": [rec(100, None, 0)]}}))
     (bench / "partial" / "512.json").write_text(json.dumps({"records": {"chain": [rec(300, 1.5, 20)]}}))
-    got = les.tau_by_length(bench, [256, 512])
+    got = long_tau.tau_by_length(bench, [256, 512])
     assert got["chain"]["<256"]["tau"] == pytest.approx((2.0 * 10 + 3.0 * 30) / 40) and got["chain"]["<256"]["turns"] == 2
     assert got["chain"]["256-512"]["tau"] == 1.5 and ">=512" not in got["chain"]
     assert les.main(["tau", "--bench", str(bench), "--buckets", "256,512", "--out", str(tmp_path / "tau.json")]) == 0
@@ -365,7 +326,7 @@ def test_long_eval_set_builds_length_buckets_splits_and_pools_tau(tmp_path):
                     (second, [("a", 0, 100, 1.0, 10), ("a", 1, 290, 2.0, 30)])):
         (d / "partial").mkdir(parents=True)
         (d / "partial" / "x.json").write_text(json.dumps(turns(spec)))
-    pair = les.paired(first, second, [256, 512], draws=200)
+    pair = long_tau.paired(first, second, [256, 512], draws=200)
     assert pair["all"]["turns"] == 2 and pair["same_prompt"] == 1
     assert pair["all"]["first"] == pytest.approx(2.5) and pair["all"]["second"] == pytest.approx((10 + 60) / 40)
     assert pair["all"]["ci95"][0] <= pair["all"]["diff"] <= pair["all"]["ci95"][1]

@@ -187,27 +187,33 @@ def test_the_writer_commits_no_shard_the_audit_refuses_and_keeps_the_ones_before
 
 
 def test_greedy_answers_carry_the_targets_fingerprint_into_the_prepared_rows(tmp_path):
-    """generate's record -> read_samples -> prepare's TokenizeUDF (called in-process): greedy_by travels."""
-    from eagle3_ray.data.distill import _record as distill_record
+    """generate's record -> read_samples -> prepare's TokenizeUDF (called in-process): greedy_by travels;
+    a conversation mixing given and written answers is not marked."""
+    from eagle3_ray.data.distill import _greedy_mark, _record
     from eagle3_ray.data.sources import Sample, read_samples
     from eagle3_ray.engines.targets import smollm2_dir
     from eagle3_ray.extract.udfs import TokenizeUDF
 
     user = [{"role": "user", "content": "Hi"}]
     answered = [*user, {"role": "assistant", "content": "Hello there."}]
-    lines = [distill_record(Sample("g", user, "f:1"), answered, "fp123"),  # answered here, greedily
-             distill_record(Sample("s#s1", user, "f:2"), answered, ""),  # answered here, sampled
-             distill_record(Sample("h", answered, "f:3", greedy_by="fp0"), answered, "fp123")]  # passed through
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]}
+    with_tools = [*user, call, {"role": "tool", "content": "42", "tool_call_id": "c1"}]  # ends on a result
+    given = [(Sample("g", user, "f:1"), "fp123"),  # answered here, greedily
+             (Sample("s#s1", user, "f:2"), ""),  # answered here, sampled
+             (Sample("h", answered, "f:3", greedy_by="fp0"), "fp123"),  # passed through with its mark
+             (Sample("t", with_tools, "f:4"), "fp123")]  # its tool call is the data's, the reply the target's
+    lines = [_record(s, answered, _greedy_mark(s, by, False)) for s, by in given]
     path = tmp_path / "conversations.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     samples = list(read_samples(path))
-    assert [s.greedy_by for s in samples] == ["fp123", "", "fp0"]
+    assert [s.greedy_by for s in samples] == ["fp123", "", "fp0", ""]
     udf = TokenizeUDF(str(smollm2_dir()), max_length=64, truncate=False)
     table = udf({"sample_id": np.array([s.sample_id for s in samples], dtype=object),
                  "messages": np.array([json.dumps(s.messages) for s in samples], dtype=object),
                  "source": np.array([s.source for s in samples], dtype=object),
                  "greedy_by": np.array([s.greedy_by for s in samples], dtype=object)})
-    assert table.column("greedy_by").to_pylist() == ["fp123", "", "fp0"]
+    assert table.column("greedy_by").to_pylist() == ["fp123", "", "fp0", ""]
 
 
 def test_the_sigma_bound_is_the_normal_bound():

@@ -268,6 +268,9 @@ CASES: list[tuple[str, Argv, str]] = [
      lambda t: ["bench", "-c", CI, "--drafter", str(_drafter(t / "d")), "--out", str(t / "x"),
                 f"bench.prompts={t}/mt.jsonl"],
      r"bench\.prompts=.*mt\.jsonl does not exist"),
+    # config (prints the resolved config; reads no path but -c)
+    ("config_config_file_missing", lambda t: ["config", "-c", str(t / "no.yaml")],
+     r"config file .*no\.yaml does not exist; pass -c with a YAML file"),
     # run
     ("run_data_missing", lambda t: ["run", "-c", CI, "--data", str(t / "c.jsonl"), "--out", str(t / "x")],
      r"--data .*c\.jsonl does not exist"),

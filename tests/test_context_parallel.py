@@ -1,7 +1,7 @@
 """Context parallelism (train.context_parallel; train/context_parallel.py): one pack split over a group of
 workers gives the one-worker loss and gradients.
 
-Exactness (real torch.distributed, gloo, spawned processes, a tiny fp32 drafter; `cp_exactness`): on packs
+Exactness (real torch.distributed, gloo, spawned processes, a tiny fp32 drafter; tests/cp_exactness.py): on packs
 with a sample boundary exactly at the split, one ttt_steps before it, one after it, and one sample over the
 whole pack, the group's loss, per-step stats and every parameter gradient (after DeepSpeed-style averaging
 over the world) equal one process's, for sdpa and varlen, each alone and with the long-sample options; with 4 ranks
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from eagle3_ray.train.context_parallel import (
-    ContextParallelError, CPShard, check_config, cp_attention_mask, cp_exactness, random_pack, shard_batch,
-    shard_span,
+    ContextParallelError, CPShard, check_config, cp_attention_mask, shard_batch, shard_span,
 )
+from tests.cp_exactness import cp_exactness, random_pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -296,7 +296,8 @@ def test_ray_train_workers_split_each_pack_and_step_on_the_one_worker_loss(ci_ti
     Held-out evaluation splits each held-out pack over the group too: at lr 1e-12 (the weights stay the
     initial ones) its metrics, the walked chain's tau included, are one process's on the whole packs."""
     from eagle3_ray.config import load_config
-    from eagle3_ray.drafter.ttt import WALK_STEPS, held_out_metrics, held_out_sums, ttt_forward
+    from eagle3_ray.drafter.ttt import ttt_forward
+    from eagle3_ray.drafter.ttt_metrics import WALK_STEPS, held_out_metrics, held_out_sums
     from eagle3_ray.train.data import LoadPackUDF, row_to_batch
     from eagle3_ray.train.loop import build_drafter
     from eagle3_ray.train.trainer import plan_training, run_training, train_job

@@ -70,7 +70,7 @@ def test_json_array_file_uses_item_numbers():
         ("malformed_json.jsonl", "malformed_json-2", 2, "malformed JSON"),
         ("non_utf8.jsonl", "non_utf8-2", 2, "not valid UTF-8: byte 0xe9"),
         ("empty_conversation.jsonl", "empty", 2, "empty conversation"),
-        ("unknown_role.jsonl", "tool", 2, "turn 2: unknown role 'tool'"),
+        ("unknown_role.jsonl", "narrator", 2, "turn 2: unknown role 'narrator'"),
         ("empty_content.jsonl", "blank", 2, "turn 2 (assistant): empty content"),
         ("duplicate_id.jsonl", "ok-1", 3, "duplicate id 'ok-1' (first at"),
         ("unrecognised_shape.jsonl", "odd", 2, "unrecognised record with keys ['id', 'text']"),

@@ -159,3 +159,78 @@ def test_an_engine_that_batches_across_calls_gets_several_in_flight_with_the_sam
     # batch 4 holds the two-turn sample: two calls, so batch 5 starts two seeds later
     assert sorted(many.seeds) == list(range(5, 13))  # 7 batches, 8 calls
     assert summary.generated == 13
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+RESULT = {"role": "tool", "content": '{"temp_c": -4}', "tool_call_id": "c1"}
+ANSWER = {"role": "assistant", "content": "Minus four."}
+
+
+@pytest.fixture(scope="module")
+def llama31_tok(engine):
+    """The engine's (SmolLM2) tokenizer with Llama-3.1's template, which writes the tools into the prompt."""
+    import copy
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = (Path(__file__).parent / "data" / "templates" / "llama-3.1-8b-instruct.jinja").read_text()
+    return tok
+
+
+def test_the_target_replies_to_tool_results_and_never_writes_them(engine, llama31_tok, tmp_path):
+    """A conversation that ends on tool results gets the target's reply, asked with the record's tools; the
+    calls and results are copied as given; a complete agentic conversation passes through."""
+    from eagle3_ray.data.sources import read_samples
+
+    ends_on_result = Sample("open", [_user("Weather in Oslo?"), CALL, RESULT], "t:1", TOOLS)
+    complete = Sample("full", [_user("Weather in Oslo?"), CALL, RESULT, ANSWER], "t:2", TOOLS)
+    rec = RecordingEngine(engine)
+    summary = self_distill(rec, llama31_tok, [ends_on_result, complete], tmp_path / "out.jsonl", MAX_NEW)
+    out = {r["id"]: r for r in _records(tmp_path / "out.jsonl")}
+    assert out["open"]["conversations"][:3] == ends_on_result.messages
+    assert [m["role"] for m in out["open"]["conversations"]] == ["user", "assistant", "tool", "assistant"]
+    assert out["full"]["conversations"] == complete.messages and out["full"]["tools"] == TOOLS
+    assert rec.calls == [[render_generation_prompt(llama31_tok, ends_on_result.messages, TOOLS)]]
+    prompt = llama31_tok.decode(rec.calls[0][0])
+    assert "Weather of a city" in prompt and prompt.endswith('"{\\"temp_c\\": -4}"<|eot_id|><|start_header_id|>'
+                                                              "assistant<|end_header_id|>\n\n")
+    assert (summary.generated, summary.passed_through) == (1, 1)
+    # The output reads back as the same agentic records.
+    back = {s.sample_id: s for s in read_samples(tmp_path / "out.jsonl")}
+    assert back["full"].messages == complete.messages and back["full"].tools == TOOLS
+
+
+def test_regenerate_after_tools_rewrites_only_the_answers_to_results(engine, llama31_tok, tmp_path):
+    sample = Sample("full", [_user("Weather in Oslo?"), CALL, RESULT, ANSWER, _user("Thanks!"),
+                             {"role": "assistant", "content": "You're welcome."}], "t:2", TOOLS)
+    rec = RecordingEngine(engine)
+    self_distill(rec, llama31_tok, [sample], tmp_path / "out.jsonl", MAX_NEW, regenerate_after_tools=True)
+    (record,) = _records(tmp_path / "out.jsonl")
+    conv = record["conversations"]
+    assert conv[:3] == sample.messages[:3] and conv[4:] == sample.messages[4:]
+    assert conv[3]["role"] == "assistant" and conv[3] != ANSWER
+    assert rec.calls == [[render_generation_prompt(llama31_tok, sample.messages[:3], TOOLS)]]
+
+
+def test_reasoning_before_the_close_marker_becomes_reasoning_content(engine):
+    """A target that reasons (its prompt opens <think>, or it writes one) gets its reasoning apart from its
+    answer: with </think> as one special token, as plain text, and cut off before the marker."""
+    import copy
+
+    from eagle3_ray.data.distill import answer_message
+
+    plain = engine.tokenizer
+    special = copy.deepcopy(plain)
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    for tok in (plain, special):
+        enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        opened = enc("<|im_start|>assistant\n<think>")
+        assert answer_message(tok, opened, enc("Add them.</think>It is 4.<|im_end|>")) == {
+            "role": "assistant", "content": "It is 4.", "reasoning_content": "Add them."}
+        assert answer_message(tok, enc("assistant\n"), enc("<think>\nAdd.\n</think>\n\n4")) == {
+            "role": "assistant", "content": "4", "reasoning_content": "Add."}
+        assert answer_message(tok, opened, enc("Still thinking")) == {
+            "role": "assistant", "content": "", "reasoning_content": "Still thinking"}
+        assert answer_message(tok, enc("assistant\n"), enc("Just 4.")) == {"role": "assistant", "content": "Just 4."}

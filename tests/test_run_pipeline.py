@@ -118,9 +118,9 @@ def test_a_finished_stage_resumes_after_its_out_dir_moved(tmp_path, capsys):
 
 
 def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
-    """generate.samples_per_prompt=1 and synthetic_prompts=0 (the defaults) hash as the config did
-    before the options (an out dir of earlier runs still resumes); more copies, or their temperature
-    then, or synthetic requests redo the stages."""
+    """generate.samples_per_prompt=1, synthetic_prompts=0 and after_tools=keep (the defaults) hash as the
+    config did before the options (an out dir of earlier runs still resumes); more copies, or their
+    temperature then, synthetic requests, or regenerated answers after tool results redo the stages."""
     import hashlib
 
     from eagle3_ray.config import config_to_dict, load_config
@@ -128,12 +128,15 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
 
     cfg = load_config("configs/ci-tiny.yaml")
     full = config_to_dict(cfg)
-    for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts"):
+    for k in ("samples_per_prompt", "sample_temperature", "synthetic_prompts", "after_tools"):
         del full["generate"][k]
     del full["train"]["val_cache_bytes"]  # how evaluation reads, not what a stage writes: never hashed
     del full["train"]["loss_chunk_tokens"], full["train"]["recompute_ttt_steps"]  # what the backward recomputes
     del full["train"]["val_groups"], full["train"]["eval_only"]  # empty: as before the options
     del full["train"]["context_parallel"]  # 1 (off): as before the option
+    del full["train"]["warmup_ratio"]  # unset: as before the option
+    del full["train"]["keep_best"]  # held_out_tau (the default): as before the option
+    del full["train"]["trackers"], full["train"]["tracking"]  # where metrics go, not what a stage writes: never hashed
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
@@ -142,8 +145,11 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         assert _stage_hash(cfg, stage, "d") == old
     before = _stage_hash(cfg, "train", "d")
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.sample_temperature=0.9"]), "train", "d") == before
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["train.warmup_ratio=0.02"]), "train", "d") != before
     two = load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2"])
     assert _stage_hash(two, "train", "d") != before
+    assert _stage_hash(load_config("configs/ci-tiny.yaml", ["generate.after_tools=regenerate"]), "prepare", "d") != \
+        _stage_hash(cfg, "prepare", "d")
     assert _stage_hash(two, "train", "d") != _stage_hash(
         load_config("configs/ci-tiny.yaml", ["generate.samples_per_prompt=2", "generate.sample_temperature=0.9"]),
         "train", "d")
@@ -157,6 +163,13 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
         assert _stage_hash(first_two, stage, "d") == _stage_hash(cfg, stage, "d"), stage
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
+    tracked = load_config("configs/ci-tiny.yaml", ["train.trackers=[tensorboard,wandb]", "train.tracking.project=p"])
+    latest = load_config("configs/ci-tiny.yaml", ["train.keep_best=none"])
+    for stage in STAGE_DEPS:
+        assert _stage_hash(tracked, stage, "d") == _stage_hash(cfg, stage, "d"), stage
+        # another checkpoint kept and exported: training and what follows it are redone
+        assert (_stage_hash(latest, stage, "d") == _stage_hash(cfg, stage, "d")) == (stage not in
+                                                                                     ("train", "export", "bench"))
     # the bench's engine options redo the bench where they change what it measures, and only there
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["bench.concurrency=[1,4]"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")  # the HF bench does not read it

@@ -274,3 +274,25 @@ def test_a_dead_engine_process_ends_the_wait(monkeypatch):
     finally:
         loop.close()
         scheduler.wait()
+
+
+def test_a_chat_record_is_planned_after_its_own_replies_and_tools():
+    """A chat record (agentic): its second turn is asked after the record's call, result and answer, with
+    its tools; its plain-data form carries the messages and tools to the Ray task."""
+    from eagle3_ray.data.chat import render_generation_prompt
+    from eagle3_ray.data.messages import conversation
+    from eagle3_ray.engines.describe import load_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages, tools = conversation([
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "-4"},
+        {"role": "assistant", "content": "Minus four."},
+        {"role": "user", "content": "And tomorrow?"}], tools)
+    prompt = Prompt("a1", "agent", ["Weather in Oslo?", "And tomorrow?"], messages=messages, tools=tools)
+    convs = sb.conversations_of({"agent": [prompt]})
+    assert convs == {"agent": [("a1", prompt.turns, None, messages, tools)]}
+    cfg = _cfg(concurrency=[1])
+    plain = sb.run_mode(cfg, "plain", "/drafter", convs, factory=FakeSGLangEngine)
+    assert plain["turns"][1]["ids"] == render_generation_prompt(load_tokenizer(cfg.target), messages, tools)

@@ -3,7 +3,7 @@ drafter cache, graphed chain / tree / commit steps): the same greedy output and 
 as the DynamicCache path with the eager drafter, the same drafts as the eager Eagle3Proposer after
 commits of every width, storage reuse across generations, graph safety of every graphed function
 (no host sync), and the errors a user can cause. The graph capture itself needs CUDA and is
-exercised by benchmarks/device/spec_graphed.sh on the H200; off CUDA the identical functions run
+exercised by the bench stage on a GPU (bench.cuda_graphs); off CUDA the identical functions run
 eagerly."""
 
 from __future__ import annotations

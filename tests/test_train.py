@@ -23,8 +23,13 @@ ZERO_STAGE = load_config("configs/kimi-k2.5.yaml").train.zero_stage
 # optimizer-state partitions would be the whole model.
 # Two named groups of samples, one of them evaluation-only (never trained on): held-out metrics per group.
 GROUPS = ['train.val_groups={late: "ci-1[0-2]", early: "ci-0[1-6]"}', "train.eval_only=[late]"]
+# A constant learning rate: the LR schedule's length (max_steps) then changes nothing, so the run resumed to
+# 6 steps (trained_4_then_6) trains as one of 6 steps from the start would (test_keep_best.py).
 TRAIN_4 = ["train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.val_share=0.25",
-           "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}", *GROUPS]
+           "train.eval_every=2", "train.num_workers=2", f"train.zero_stage={ZERO_STAGE}", *GROUPS,
+           "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
+# The fixture's run and its resumption log to every tracker (W&B offline): test_trackers.py reads them back.
+TRACKED = ["train.trackers=[tensorboard,mlflow,wandb]", "train.tracking.wandb_mode=offline"]
 
 
 def _metrics(out):
@@ -230,12 +235,11 @@ def _copy_run(trained, dest):
     return shutil.copytree(out, dest), dest / ckpt
 
 
-def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, tmp_path):
+def test_train_checkpoints_resumes_and_exports(trained_4_steps, trained_4_then_6, ci_tiny_inputs, tmp_path):
     from eagle3_ray.drafter import load_drafter
     from eagle3_ray.train.checkpoint import consumed_packs, export_from_training, latest_checkpoint, read_train_state
-    from eagle3_ray.train.trainer import run_training
 
-    out, ckpt = _copy_run(trained_4_steps, tmp_path / "train")
+    out, ckpt = trained_4_steps[0], trained_4_steps[0] / trained_4_steps[1]
     assert latest_checkpoint(out) == ckpt
     state = read_train_state(ckpt)
     assert state["step"] == 4
@@ -254,9 +258,9 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
     counts = [r["train_tokens"] for r in _metrics(out)]
     assert all(b - a >= 2 * min(tokens.values()) for a, b in zip([0, *counts], counts))
 
-    # Rerun the same command with a larger budget: it resumes at step 4 and continues.
-    more = load_config(CI_CONFIG, [*TRAIN_4, "train.max_steps=6"])
-    ckpt2 = run_training(more, features, ci_tiny_inputs / "vocab_groups", out)
+    # Rerun the same command with a larger budget (conftest.py's trained_4_then_6, in a copy of the out
+    # dir): it resumes at step 4 and continues.
+    out, ckpt2 = trained_4_then_6
     assert read_train_state(ckpt2)["step"] == 6
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert consumed_packs(ckpt2) > consumed_packs(ckpt)
@@ -265,7 +269,7 @@ def test_train_checkpoints_resumes_and_exports(trained_4_steps, ci_tiny_inputs, 
     assert _metrics(out)[-1]["train_tokens"] == sum(tokens[k] for k in consumed_packs(ckpt2))
     assert read_train_state(ckpt2)["train_tokens"] == _metrics(out)[-1]["train_tokens"]
 
-    drafter_dir = export_from_training(out, tmp_path / "drafter", engine="sglang")
+    drafter_dir = export_from_training(out, tmp_path / "drafter", engine="sglang", which="latest")
     drafter = load_drafter(drafter_dir)
     from safetensors.torch import load_file
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3_ray.drafter import DrafterConfig, Eagle3Drafter, ttt_forward
-from eagle3_ray.drafter.ttt import held_out_metrics, held_out_sums
+from eagle3_ray.drafter.ttt_metrics import held_out_metrics, held_out_sums
 from eagle3_ray.train.step import StepConfig, TorchEngine, TrainStep, adamw
 
 H, VOCAB, DRAFT = 16, 40, 24

@@ -373,20 +373,20 @@ def test_served_tau_counts_targets_outside_the_draft_vocab_as_misses():
 
 
 def test_tau_chain3_is_served_tau_over_the_first_three_drafts_only():
-    from eagle3_ray.drafter.ttt import _metrics
+    from eagle3_ray.drafter.ttt_metrics import step_metrics
 
     # (ce, acc, count, served_acc) of 5 TTT steps
     stats = [[1.0, 0.8, 100, 0.5], [1.0, 0.7, 90, 0.6], [1.0, 0.6, 80, 0.5], [1.0, 0.5, 70, 0.9], [1.0, 0.4, 60, 0.9]]
-    m = _metrics(stats, 0.8)
+    m = step_metrics(stats, 0.8)
     assert m["tau_chain3"] == pytest.approx(1 + 0.5 + 0.5 * 0.6 + 0.5 * 0.6 * 0.5)
     assert m["tau_served"] == pytest.approx(m["tau_chain3"] + 0.15 * 0.9 + 0.15 * 0.9 * 0.9)
-    assert _metrics(stats[:2], 0.8)["tau_chain3"] == pytest.approx(1 + 0.5 + 0.3)  # fewer steps: all of them
+    assert step_metrics(stats[:2], 0.8)["tau_chain3"] == pytest.approx(1 + 0.5 + 0.3)  # fewer steps: all of them
 
 
 def test_window_metrics_are_the_mean_of_each_steps_metrics():
     """The training loop keeps each step's stats on the device and reads a logging window back in one
     sync (mean_metrics); the figures are those of averaging every step's own metrics."""
-    from eagle3_ray.drafter.ttt import mean_metrics
+    from eagle3_ray.drafter.ttt_metrics import mean_metrics
 
     d = _drafter(seed=5)
     w = _lm_head(d, seed=5)
@@ -508,7 +508,7 @@ def test_chain_walk_replays_chain_decoding_over_each_assistant_turn():
     """Hand-worked: cycles draft from the token before each turn's first (the prefill's), accept the
     leading hits (capped at the turn's end) and commit one more; a turn that opens its sample (no
     prompt to prefill) and padding are not walked."""
-    from eagle3_ray.drafter.ttt import chain_walk
+    from eagle3_ray.drafter.ttt_metrics import chain_walk
 
     T, F = True, False
     # sample 0 (0..11): prompt 0..2, turn 3..9, user token 10, one-token turn 11; sample 1 (12..16): a turn
@@ -531,7 +531,7 @@ def test_chain_walk_replays_chain_decoding_over_each_assistant_turn():
 
 
 def test_held_out_metrics_give_the_walked_tau_as_tokens_per_cycle():
-    from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, held_out_metrics
+    from eagle3_ray.drafter.ttt_metrics import HELD_OUT_WIDTH, held_out_metrics
 
     sums = torch.zeros(HELD_OUT_WIDTH, dtype=torch.float64)
     sums[-3:] = torch.tensor([100.0, 30.0, 12.0])  # tokens, walk tokens, walk cycles

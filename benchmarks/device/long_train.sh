@@ -4,7 +4,7 @@
 #      Llama-3.1-8B and Kimi-K2.5 drafter shapes, without and with the memory options
 #      (train.loss_chunk_tokens=4096, train.recompute_ttt_steps): benchmarks/train_step.py --sweep;
 #   2. the memory of the heaviest rank of a 2-worker context-parallel group on a 128K-token sample at the
-#      Kimi shape (train/context_parallel.py rank_step_memory), and 4 workers;
+#      Kimi shape (benchmarks/cp_memory.py), and 4 workers;
 #   3. flash attention's varlen kernel under context parallelism (tests/test_context_parallel.py, CUDA test).
 #
 #   source benchmarks/device/session.sh wm && OUT=<dir> PEAK=785 bash benchmarks/device/long_train.sh   # ~5 min, H100
@@ -37,14 +37,5 @@ sweep kimi-k2.5 kimi_k3 65536 --loss-chunk-tokens 4096 --recompute-ttt-steps 3
 # the bare 2K step alone: the MFU reference when the partial options run on another card than the full sweep
 sweep llama3-8b 8b_2k 2048
 sweep kimi-k2.5 kimi_2k 2048
-want cp && timeout 100 python3 - <<'EOF' 2>&1 | tee -a "$log"
-import json, os, torch
-from eagle3_ray.train.context_parallel import rank_step_memory
-out = {"device": torch.cuda.get_device_name(0)}
-for size in (2, 4):
-    out[f"131072_over_{size}"] = r = rank_step_memory(131072, size)
-    print(f"[cp] 128K tokens over {size} workers, heaviest rank: {r}", flush=True)
-    torch.cuda.empty_cache()
-json.dump(out, open(os.path.join(os.environ["OUT"], "cp_memory.json"), "w"), indent=1)
-EOF
+want cp && timeout 100 python3 benchmarks/cp_memory.py --tokens 131072 --sizes 2,4 --out "$OUT/cp_memory.json" 2>&1 | tee -a "$log"
 want flash && timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flash_varlen 2>&1 | tail -n 3 | tee -a "$log"

@@ -18,8 +18,8 @@
 #      DeepSpeed's engine without Ray (train_step.py --engine deepspeed), 8B ZeRO-1 and Kimi ZeRO-2,
 #      with host syncs per step: what DeepSpeed costs against the bare step, apart from Ray
 #
-# BARE_EXTRA adds train_step.py arguments to the two bare phases, e.g. "--attention varlen,sdpa --profile 25"
-# (both attentions timed, the best one reported; the top device kernels of a step), DS_EXTRA to the two
+# BARE_EXTRA adds train_step.py arguments to the two bare phases, e.g. "--attention varlen,sdpa --check"
+# (both attentions timed after a check against sdpa, the best one reported), DS_EXTRA to the two
 # DeepSpeed phases; BARE_CAP (default 60 s) is each bare phase's timeout (flex compiles its kernels first).
 # PHASES (default "bare_8b bare_kimi loop ds_8b_zero1 ds_kimi_zero2") picks the phases of a call (they
 # run in the order above), e.g. a second call (another OUT):

@@ -16,7 +16,9 @@ HELP = "audit an existing feature store with the target's lm_head (exit 2 on a f
 
 
 def add_verify_parser(sub) -> None:
-    p = sub.add_parser("verify", help=HELP)
+    p = sub.add_parser("verify", help=HELP, description=HELP[0].upper() + HELP[1:] + ".",
+                       epilog="Config sections read: target, extract (from -c, else the store's config.resolved.yaml; "
+                              "no Ray).")
     p.add_argument("-c", "--config", help="pipeline YAML (default: the store's config.resolved.yaml)")
     p.add_argument("--features", required=True, help="feature store directory")
     p.add_argument("--device", default="auto", help="auto (a GPU where there is one), cpu or cuda[:N]")

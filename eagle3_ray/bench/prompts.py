@@ -2,8 +2,14 @@
 
 Forms (one JSON object per line, or a JSON array of them):
 - MT-bench / Spec-Bench: ``{"question_id", "category", "turns": [str, ...]}``;
-- single turn: ``{"prompt"}``, ``{"question"}`` or ``{"instruction"(, "input")}``, with an optional
-  ``"category"`` (default: the file's stem) and id field (default: ``<stem>-<line>``).
+- single turn: ``{"prompt"}``, ``{"question"}`` or ``{"instruction"(, "input")}``;
+- a chat record, as training data takes it: OpenAI ``{"messages": [...]}`` or ShareGPT
+  ``{"conversations": [...]}`` (read by ``data/messages.py``: system messages, tool calls, tool results
+  and a ``tools`` list included). Each user turn is a bench turn, and so is the reply to the tool results
+  a record ends on; the record's own replies between two user turns (its assistant turns, tool calls
+  and tool results) are the history, and where it gives none the baseline's answer is.
+Every form takes an optional ``"category"`` (default: the file's stem) and id field (default:
+``<stem>-<line>``).
 
 ``bench.prompts`` is one entry or a list of them; an entry is a path (or ``builtin:<name>``) or a
 mapping ``{path, max_prompts, name}`` and each entry is one *set* (named by ``name``, else the file's
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray.config import PROMPT_ENTRY_FORM, PromptSetEntry
+from eagle3_ray.data.messages import BadRecord, conversation, ends_on_results, json_type
 from eagle3_ray.data.sources import BUILTIN_PREFIX, builtin_names, resolve_data_path
 from eagle3_ray.errors import DataError
 
@@ -36,11 +43,39 @@ ENTRY_FORM = PROMPT_ENTRY_FORM
 class Prompt:
     id: str
     category: str
-    turns: list[str] = field(default_factory=list)  # user turns, answered one after the other
+    # user turns, answered one after the other (a chat record that ends on tool results: then its last result,
+    # the turn being the reply to the results)
+    turns: list[str] = field(default_factory=list)
     set_name: str = ""  # the prompt set (bench.prompts entry) it comes from
     # Fixed replies that become the history (a record's "answers"): reply i follows turn i instead of the
     # baseline's own answer, so that benches of different drafters decode exactly the same turns.
     answers: list[str] | None = None
+    # A chat record's normalised messages (data/messages.py) and tools; None for the other forms.
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+
+    def conversation(self, turn: int, replies: list[str]) -> list[dict]:
+        """The messages decoded at user turn ``turn``: the earlier turns, each followed by the record's own
+        replies where it has them (``answers``; a chat record's assistant turns, tool calls and results),
+        else by the baseline's ``replies[j]``, then the user turn itself."""
+        if self.messages is None:
+            out: list[dict] = []
+            for j, text in enumerate(self.turns[:turn]):
+                given = self.answers is not None and j < len(self.answers)
+                out += [{"role": "user", "content": text},
+                        {"role": "assistant", "content": self.answers[j] if given else replies[j]}]
+            return out + [{"role": "user", "content": self.turns[turn]}]
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        ends = users[1:] + [len(self.messages)]
+        out = [dict(m) for m in self.messages[: users[0]]]  # the system messages before the first turn
+        for j in range(turn):
+            between = self.messages[users[j] + 1: ends[j]]
+            out.append(dict(self.messages[users[j]]))
+            if not any(m["role"] == "assistant" for m in between):
+                out.append({"role": "assistant", "content": replies[j]})
+            out += [dict(m) for m in between]
+        # turn == len(users): the reply to the tool results the record ends on, after all of it
+        return out + [dict(self.messages[users[turn]])] if turn < len(users) else out
 
 
 @dataclass(frozen=True)
@@ -190,15 +225,37 @@ def _records(file: Path) -> list[tuple[int, Any]]:
 
 def _to_prompt(raw: Any, stem: str, pos: int, where: str) -> Prompt:
     if not isinstance(raw, dict):
-        raise DataError(f"{where}: record is not a JSON object; write {{\"turns\": [...]}} or {{\"prompt\": ...}}")
+        raise DataError(f"{where}: record is not a JSON object; write {{\"turns\": [...]}}, {{\"prompt\": ...}} "
+                        "or {\"messages\": [...]}")
     category = raw.get("category", stem)
     if not isinstance(category, str) or not category.strip():
         raise DataError(f"{where}: 'category' must be a non-empty string, got {category!r}")
     pid = next((raw[k] for k in ID_FIELDS if k in raw), f"{stem}-{pos}")
     if not isinstance(pid, (str, int)) or isinstance(pid, bool):
         raise DataError(f"{where}: the id must be a string or an integer, got {pid!r}")
+    chat = raw.get("messages", raw.get("conversations"))
+    if chat is not None:
+        return _chat_prompt(raw, chat, str(pid), category, where)
     turns = _turns(raw, where)
     return Prompt(str(pid), category, turns, answers=_answers(raw, len(turns), where))
+
+
+def _chat_prompt(raw: dict, chat: Any, pid: str, category: str, where: str) -> Prompt:
+    """A chat record (OpenAI ``messages`` / ShareGPT ``conversations``) as a prompt of its user turns."""
+    key = "messages" if "messages" in raw else "conversations"
+    if not isinstance(chat, list):
+        raise DataError(f"{where}: '{key}' is a JSON {json_type(chat)}; it must be a list of turns")
+    if "answers" in raw:
+        raise DataError(f"{where}: 'answers' belongs to the 'turns' form; a chat record gives its replies as its "
+                        "assistant turns: drop 'answers'")
+    try:
+        messages, tools = conversation(chat, raw.get("tools"), raw.get("system"))
+    except BadRecord as e:
+        raise DataError(f"{where}: {e}") from None
+    turns = [m["content"] for m in messages if m["role"] == "user"]
+    if ends_on_results(messages):  # one more turn: the reply to those results (its entry: the last result)
+        turns.append(messages[-1]["content"])
+    return Prompt(pid, category, turns, messages=messages, tools=tools)
 
 
 def _answers(raw: dict, turns: int, where: str) -> list[str] | None:
@@ -222,8 +279,8 @@ def _turns(raw: dict, where: str) -> list[str]:
     key = next((k for k in SINGLE_TURN_FIELDS if k in raw), None)
     if key is None:
         raise DataError(
-            f"{where}: record with keys {sorted(raw)} has no prompt; expected 'turns' (MT-bench) or one of "
-            f"{list(SINGLE_TURN_FIELDS)}"
+            f"{where}: record with keys {sorted(raw)} has no prompt; expected 'turns' (MT-bench), 'messages' / "
+            f"'conversations' (chat) or one of {list(SINGLE_TURN_FIELDS)}"
         )
     text = _text(raw[key], f"'{key}'", where)
     extra = raw.get("input") if key == "instruction" else None

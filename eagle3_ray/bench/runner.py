@@ -3,8 +3,9 @@
 Per turn of every prompt, on the same prompt tokens and in the same process: plain target generation
 (the baseline), each speculative mode of ``bench.modes`` (chain, tree), prompt lookup (a
 drafter-free peer) and, on request, chain mode with an untrained drafter. Multi-turn prompts carry
-the baseline's answer into the next turn (or the record's fixed ``answers``, the same for every bench
-run), so every mode sees exactly the same prompts even when sampling. At temperature 0 every turn
+the baseline's answer into the next turn (or the record's own replies: fixed ``answers``, a chat
+record's assistant turns and tool results; the same for every bench run), so every mode sees exactly
+the same prompts even when sampling. At temperature 0 every turn
 that differs from the baseline is audited (``bench.audit``: first differing position, the
 baseline's top-2 logit gap there, whether rounding explains it). ``docs/bench.md`` defines what is measured.
 
@@ -110,10 +111,9 @@ class BenchActor:
         runners = self._runners(bench)
         records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in runners}
         for prompt in prompts:
-            messages: list[dict[str, str]] = []
-            for turn, text in enumerate(prompt.turns):
-                messages.append({"role": "user", "content": text})
-                ids = self._render(messages)
+            replies: list[str] = []  # the baseline's answers: the history where the record gives none
+            for turn in range(len(prompt.turns)):
+                ids = self._render(prompt.conversation(turn, replies), prompt.tools)
                 outputs: dict[str, list[int]] = {}
                 for kind, run in runners.items():  # baseline first: its answer is the reference
                     tokens, stats = run(ids, bench.max_new_tokens)
@@ -124,11 +124,7 @@ class BenchActor:
                     )
                 if bench.temperature == 0:
                     self._audit(ids, outputs, {kind: recs[-1] for kind, recs in records.items()}, bench)
-                if prompt.answers is not None and turn < len(prompt.answers):  # a fixed history
-                    reply = prompt.answers[turn]
-                else:
-                    reply = self.target.tokenizer.decode(outputs["baseline"], skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": reply})
+                replies.append(self.target.tokenizer.decode(outputs["baseline"], skip_special_tokens=True))
         return records
 
     def _audit(self, ids: list[int], outputs: dict[str, list[int]], latest: dict[str, dict[str, Any]],
@@ -162,10 +158,10 @@ class BenchActor:
         return results_body(records, bench, self.describe(), sglang_plain_tokens_per_s,
                             categories_by_set(prompt_sets))
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         from eagle3_ray.data.chat import render_generation_prompt
 
-        return render_generation_prompt(self.target.tokenizer, messages)
+        return render_generation_prompt(self.target.tokenizer, messages, tools)
 
     def _runners(self, b: BenchConfig) -> dict[str, Runner]:
         """Every decoding to time, baseline first; all share temperature and seed."""
@@ -469,7 +465,8 @@ def _partial_key(cfg: PipelineConfig, drafter_dir: str, compare_untrained: bool,
         "target": config_to_dict(cfg)["target"],
         "drafter": [drafter_dir, stamp],
         "untrained": compare_untrained,
-        "prompts": [[p.id, p.turns] + ([p.answers] if p.answers is not None else []) for p in prompts],
+        "prompts": [[p.id, p.turns] + ([p.answers] if p.answers is not None else [])
+                    + ([p.messages, p.tools] if p.messages is not None else []) for p in prompts],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+from eagle3_ray.bench.prompts import Prompt
 from eagle3_ray.config import BenchConfig, PipelineConfig
 from eagle3_ray.engines.sglang_args import (
     check_server_args,
@@ -118,28 +119,26 @@ def plan_turns(
     served: Served,
     sampling: dict[str, Any],
     conversations: dict[str, list[tuple]],
-    render: Callable[[list[dict[str, str]]], list[int]],
+    render: Callable[[list[dict], list[dict] | None], list[int]],
     decode: Callable[[list[int]], str],
 ) -> tuple[list[TurnPrompt], list[dict[str, Any]]]:
     """Plain decoding at concurrency 1, conversation by conversation, each reply the next turn's
-    history (or the conversation's fixed answers, where it has them). Returns every turn's prompt and
-    its record (the plain concurrency-1 measurement)."""
+    history (or the conversation's own replies, where it has them: ``Prompt.conversation``). Returns
+    every turn's prompt and its record (the plain concurrency-1 measurement)."""
     turns: list[TurnPrompt] = []
     records: list[dict[str, Any]] = []
     total = sum(len(convs) for convs in conversations.values())
     began = time.perf_counter()
     for category, convs in conversations.items():
-        for prompt_id, texts, *fixed in convs:
-            answers = fixed[0] if fixed else []
-            messages: list[dict[str, str]] = []
-            for turn, text in enumerate(texts):
-                messages.append({"role": "user", "content": text})
-                ids = render(messages)
+        for prompt_id, texts, *given in convs:
+            prompt = _prompt(category, prompt_id, texts, given)
+            replies: list[str] = []
+            for turn in range(len(texts)):
+                ids = render(prompt.conversation(turn, replies), prompt.tools)
                 (record,), _ = served.serve([ids], sampling, 1, "c1")
                 turns.append(TurnPrompt(category, prompt_id, turn, ids))
                 records.append(record)
-                reply = answers[turn] if turn < len(answers) else decode(record["output_ids"])
-                messages.append({"role": "assistant", "content": reply})
+                replies.append(decode(record["output_ids"]))
             done = len({(t.category, t.prompt_id) for t in turns})
             if done % PROGRESS_EVERY == 0 or done == total:
                 tokens = sum(r["completion_tokens"] for r in records)
@@ -240,7 +239,7 @@ def run_mode(
         kwargs = mode_kwargs(cfg, mode, drafter_dir, getattr(factory, "server_args_fields", frozenset()))
     sampling = generate_sampling(b.max_new_tokens, b.temperature, 1.0, cfg.generate.seed)
     tok = load_tokenizer(cfg.target)
-    render = lambda messages: render_generation_prompt(tok, messages)  # noqa: E731
+    render = lambda messages, tools=None: render_generation_prompt(tok, messages, tools)  # noqa: E731
     what = f"the SGLang {mode} engine of the bench"
     started = time.perf_counter()
     engine, procs = launch_sglang(kwargs, factory, what=what)
@@ -366,10 +365,21 @@ def summary_keys(section: dict[str, Any], hf_tau: dict[str, float | None] | None
 
 
 def conversations_of(prompt_sets: dict[str, list[Any]]) -> dict[str, list[tuple]]:
-    """``{category: [Prompt]}`` as plain data for a Ray task: ``{category: [(id, turns)]}``, and
-    ``(id, turns, answers)`` for a prompt with a fixed history."""
-    return {cat: [(p.id, list(p.turns)) + ((list(p.answers),) if p.answers is not None else ()) for p in prompts]
-            for cat, prompts in prompt_sets.items()}
+    """``{category: [Prompt]}`` as plain data for a Ray task: ``{category: [(id, turns)]}``,
+    ``(id, turns, answers)`` for a prompt with a fixed history, ``(id, turns, None, messages, tools)`` for
+    a chat record."""
+    def plain(p: Any) -> tuple:
+        if p.messages is not None:
+            return p.id, list(p.turns), None, p.messages, p.tools
+        return (p.id, list(p.turns)) + ((list(p.answers),) if p.answers is not None else ())
+
+    return {cat: [plain(p) for p in prompts] for cat, prompts in prompt_sets.items()}
+
+
+def _prompt(category: str, prompt_id: str, texts: list[str], given: list) -> Prompt:
+    """The Prompt behind one ``conversations_of`` tuple."""
+    answers, messages, tools = (list(given) + [None, None, None])[:3]
+    return Prompt(prompt_id, category, texts, answers=answers, messages=messages, tools=tools)
 
 
 def modes_to_run(bench: BenchConfig) -> list[str]:

@@ -1,11 +1,23 @@
-"""Self-distillation: the target answers prompt-only samples, so the drafter learns its own outputs.
+"""Self-distillation: the target writes the assistant turns the data lacks, so the drafter learns its own outputs.
+
+Which turns: every answer of a prompt-only sample, the reply to tool results that end a conversation,
+and with ``regenerate_after_tools`` every turn that answers tool results without calling a tool
+(``data.messages.answer_script``). Tool calls and tool results stay as the data gives them: the target
+never invents a tool's result. Each turn is generated from the conversation so far, rendered with the
+record's tools, the target's earlier answers included; the samples of a batch are generated together,
+one ``engine.generate`` call per answer index.
+
+An answer is stored as its decoded text (special tokens skipped, stripped). A target that reasons first
+(its template opens ``<think>``, or it writes one) gets what it wrote before ``</think>`` as
+``reasoning_content``, the rest as content: the template then keeps or drops the reasoning as it does
+for served traffic (``data/chat.py``).
 
 Resumable by construction: records are appended batch by batch (flush + fsync) as
-``{"id", "conversations": [{"role", "content"}]}`` lines (plus ``"greedy_by"``: the target's
-fingerprint, on answers written at temperature 0); a rerun skips every id already in the
-output and drops a trailing partial line left by a crash. Multi-turn prompt-only samples (MT-bench
-``turns``) are answered turn by turn, each turn seeing the target's earlier answers; the samples
-of a batch are generated together, one ``engine.generate`` call per turn index.
+``{"id", "conversations": [messages], "tools"?, "greedy_by"?}`` lines, read back as OpenAI-form
+records; a rerun skips every id already in the output and drops a trailing partial line left by a
+crash. ``greedy_by`` (the target's fingerprint) marks a sample whose every assistant turn the target
+wrote here at temperature 0: the capture audit checks that the captured states predict those answers
+(docs/feature-store.md, "Capture audit").
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from eagle3_ray.data.chat import render_generation_prompt
+from eagle3_ray.data.messages import answer_script
 from eagle3_ray.data.sources import Sample
 from eagle3_ray.engines.base import TargetEngine
 from eagle3_ray.errors import ConfigError, DataError, EngineError
@@ -31,8 +44,8 @@ Progress = Callable[[int, int], None]  # (samples done, samples total)
 class DistillSummary:
     total: int  # samples given
     skipped: int  # already in the output (earlier run) or repeated ids
-    generated: int  # prompt-only samples answered in this run
-    passed_through: int  # samples that already had assistant turns, written unchanged
+    generated: int  # samples with turns written by the target in this run
+    passed_through: int  # samples with nothing to write, written unchanged
     empty_answers: int  # answers that decoded to empty text; readers reject those samples later
     new_tokens: int
     seconds: float
@@ -43,6 +56,12 @@ class _Sampling:
     max_new_tokens: int
     temperature: float
     top_p: float
+    regenerate_after_tools: bool = False
+
+
+def needs_answers(sample: Sample, regenerate_after_tools: bool = False) -> bool:
+    """The target writes at least one of ``sample``'s assistant turns (see the module doc)."""
+    return None in answer_script(sample.messages, regenerate_after_tools)
 
 
 def self_distill(
@@ -56,11 +75,12 @@ def self_distill(
     batch_size: int = 8,
     seed: int = 0,
     progress: Progress | None = None,
+    regenerate_after_tools: bool = False,
     answered_by: str = "",
 ) -> DistillSummary:
-    """Answer every sample that needs generation and append all samples to ``out_path`` (JSONL).
+    """Write the turns each sample lacks (see the module doc) and append all samples to ``out_path`` (JSONL).
     ``answered_by``: the target's fingerprint (the feature store's ``target_fingerprint``), written as
-    ``greedy_by`` on the answers written here at temperature 0."""
+    ``greedy_by`` on the samples whose every assistant turn is written here at temperature 0."""
     if batch_size < 1:
         raise ConfigError(f"generate.batch_size={batch_size}: must be >= 1")
     t0 = time.monotonic()
@@ -68,24 +88,24 @@ def self_distill(
     out.parent.mkdir(parents=True, exist_ok=True)
     samples = list(samples)
     todo = _pending(samples, written_ids(out))
-    sampling = _Sampling(max_new_tokens, temperature, top_p)
+    sampling = _Sampling(max_new_tokens, temperature, top_p, regenerate_after_tools)
     summary = DistillSummary(len(samples), len(samples) - len(todo), 0, 0, 0, 0, 0.0)
     report = progress or _LinePrinter(start=summary.skipped)
     batches = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
     seeds, calls = [], 0
     for batch in batches:  # each batch's first seed, as if answered one after the other
         seeds.append(seed + calls)
-        calls += _calls_needed(batch)
-    # Greedy answers carry the target's fingerprint: the capture audit checks that the captured states
-    # predict them (docs/feature-store.md, "Capture audit").
+        calls += _calls_needed(batch, regenerate_after_tools)
     greedy_by = answered_by if temperature == 0 else ""
     with open(out, "a", encoding="utf-8") as f, _Answering(engine, tokenizer, sampling) as answering:
         done = 0
         for batch, (convs, stats) in zip(batches, answering.in_order(batches, seeds)):
             start, done = done, done + len(batch)
-            _append(f, [_record(s, c, greedy_by) for s, c in zip(batch, convs)])
-            summary.generated += sum(s.needs_generation for s in batch)
-            summary.passed_through += sum(not s.needs_generation for s in batch)
+            _append(f, [_record(s, c, _greedy_mark(s, greedy_by, regenerate_after_tools))
+                        for s, c in zip(batch, convs)])
+            answered = sum(needs_answers(s, regenerate_after_tools) for s in batch)
+            summary.generated += answered
+            summary.passed_through += len(batch) - answered
             summary.empty_answers += stats["empty"]
             summary.new_tokens += stats["tokens"]
             report(summary.skipped + start + len(batch), summary.total)
@@ -169,56 +189,88 @@ class _Answering:
             yield result
 
 
-def _calls_needed(batch: list[Sample]) -> int:
-    """The engine calls ``_answer_batch`` makes for ``batch``: one per user turn of its longest question."""
-    longest = 0
-    for s in batch:
-        if s.needs_generation:
-            q = list(s.messages)
-            while q and q[0]["role"] != "user":
-                q.pop(0)
-            longest = max(longest, len(q))
-    return longest
+def _calls_needed(batch: list[Sample], regenerate_after_tools: bool = False) -> int:
+    """The engine calls ``_answer_batch`` makes for ``batch``: one per answer of its sample with the most."""
+    return max((answer_script(s.messages, regenerate_after_tools).count(None) for s in batch), default=0)
 
 
 def _answer_batch(
     engine: TargetEngine, tokenizer: Any, batch: list[Sample], sampling: _Sampling, seed: int
 ) -> tuple[list[list[dict]], dict[str, int]]:
-    """Conversations of the batch with every user turn of prompt-only samples answered."""
-    convs = [[dict(m) for m in s.messages] if not s.needs_generation else [] for s in batch]
-    questions = [[dict(m) for m in s.messages] if s.needs_generation else [] for s in batch]
-    for i, q in enumerate(questions):
-        # The system message (if any) leads; each user turn is answered before the next is asked.
-        while q and q[0]["role"] != "user":
-            convs[i].append(q.pop(0))
+    """Conversations of the batch with every turn of their ``answer_script`` written by the target."""
+    scripts = [answer_script(s.messages, sampling.regenerate_after_tools) for s in batch]
+    convs: list[list[dict]] = [[] for _ in batch]
+    at = [0] * len(batch)  # next script entry of each sample
+
+    def advance(i: int) -> None:  # copy the given messages up to the next answer to write (or the end)
+        while at[i] < len(scripts[i]) and scripts[i][at[i]] is not None:
+            convs[i].append(dict(scripts[i][at[i]]))
+            at[i] += 1
+
     stats = {"calls": 0, "empty": 0, "tokens": 0}
-    for turn in range(max((len(q) for q in questions), default=0)):
-        rows = [i for i, q in enumerate(questions) if turn < len(q)]
+    for answer in range(_calls_needed(batch, sampling.regenerate_after_tools)):
+        rows = [i for i, script in enumerate(scripts) if script.count(None) > answer]
         for i in rows:
-            convs[i].append(questions[i][turn])
-        prompts = [render_generation_prompt(tokenizer, convs[i]) for i in rows]
+            advance(i)
+        prompts = [render_generation_prompt(tokenizer, convs[i], batch[i].tools) for i in rows]
         answers = engine.generate(
             prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed + stats["calls"]
         )
         if len(answers) != len(prompts):
             raise EngineError(f"engine.generate returned {len(answers)} answers for {len(prompts)} prompts")
         stats["calls"] += 1
-        for i, new_ids in zip(rows, answers):
-            text = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
-            convs[i].append({"role": "assistant", "content": text})
-            stats["empty"] += not text
+        for i, prompt, new_ids in zip(rows, prompts, answers):
+            message = answer_message(tokenizer, prompt, list(new_ids))
+            convs[i].append(message)
+            at[i] += 1
+            stats["empty"] += not message["content"]
             stats["tokens"] += len(new_ids)
+    for i in range(len(batch)):
+        advance(i)
     return convs, stats
 
 
-def _record(sample: Sample, conversation: list[dict], greedy_by: str) -> dict[str, Any]:
-    """The output line of ``sample``: its answered conversation, and ``greedy_by`` (the fingerprint of
-    the target that answered it greedily) for a sample answered here, or the one it came with."""
-    rec: dict[str, Any] = {"id": sample.sample_id, "conversations": conversation}
-    mark = greedy_by if sample.needs_generation else sample.greedy_by
-    if mark:
-        rec["greedy_by"] = mark
-    return rec
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def answer_message(tokenizer: Any, prompt: list[int], new_ids: list[int]) -> dict:
+    """The assistant message of generated ``new_ids``: the text before ``</think>`` is its reasoning when
+    the target reasons (the prompt ends with ``<think>`` or the answer opens one), the rest its content."""
+    close = tokenizer.convert_tokens_to_ids(THINK_CLOSE)
+    if isinstance(close, int) and close != tokenizer.unk_token_id and close in new_ids:  # </think> is one token
+        cut = new_ids.index(close)
+        reasoning = tokenizer.decode(new_ids[:cut], skip_special_tokens=True)
+        content = tokenizer.decode(new_ids[cut + 1:], skip_special_tokens=True)
+    else:
+        text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        reasoning, sep, content = text.partition(THINK_CLOSE)
+        if not sep:
+            opened = tokenizer.decode(prompt[-4:]).rstrip().endswith(THINK_OPEN)
+            reasoning, content = (text, "") if opened else ("", text)
+    reasoning = reasoning.strip().removeprefix(THINK_OPEN).strip()
+    message = {"role": "assistant", "content": content.strip()}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def _greedy_mark(sample: Sample, greedy_by: str, regenerate_after_tools: bool) -> str:
+    """``greedy_by`` when the target writes every assistant turn of ``sample`` here, the mark the sample
+    came with when it writes none, else "" (a conversation mixing given and written turns)."""
+    script = answer_script(sample.messages, regenerate_after_tools)
+    if None not in script:
+        return sample.greedy_by
+    given = any(m is not None and m["role"] == "assistant" for m in script)
+    return "" if given else greedy_by
+
+
+def _record(sample: Sample, conv: list[dict], greedy_by: str = "") -> dict:
+    record: dict[str, Any] = {"id": sample.sample_id, "conversations": conv}
+    if sample.tools:
+        record["tools"] = sample.tools
+    if greedy_by:
+        record["greedy_by"] = greedy_by
+    return record
 
 
 def _append(f, records: list[dict]) -> None:

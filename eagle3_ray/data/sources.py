@@ -1,8 +1,10 @@
 """Conversation readers: JSONL / JSON-array files in the common chat and prompt forms.
 
-Every record becomes a ``Sample`` (normalised messages) or a ``Reject`` (file:line and a precise
-reason); reading goes on past bad records. Only a file that cannot be read at all raises
-``DataError``. Reference answers in prompt-only forms (``output``, ``answer``, ``reference``) are
+Every record becomes a ``Sample`` (normalised messages, and the record's tools) or a ``Reject``
+(file:line and a precise reason); reading goes on past bad records. A chat record's turns (tool
+calls, tool results and reasoning included) are read by ``data/messages.py``. A stage may read
+several files in order (``data.path`` as a list), with ids unique over all of them. Only a file
+that cannot be read at all raises ``DataError``. Reference answers in prompt-only forms (``output``, ``answer``, ``reference``) are
 ignored on purpose: a drafter must learn the target's own distribution, so prompts are answered by
 self-distillation (``eagle3_ray.data.distill``).
 """
@@ -16,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
+from eagle3_ray.data.messages import BadRecord, answer_script, conversation, json_type
 from eagle3_ray.errors import DataError
 
 if TYPE_CHECKING:
@@ -24,19 +27,8 @@ if TYPE_CHECKING:
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_DATA = BUILTIN_PREFIX + "demo_prompts"  # a stage's input when neither --data nor data.path names one
 Format = Literal["auto", "sharegpt", "openai", "prompts"]
+DataPath = str | Path | list[str] | tuple[str, ...]  # one file (or builtin:<name>) or several, read in order
 
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "prompter": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-}
 ID_FIELDS = ("id", "question_id", "task_id", "uid")
 PROMPT_FIELDS = ("prompt", "instruction", "question", "turns")
 
@@ -44,16 +36,18 @@ PROMPT_FIELDS = ("prompt", "instruction", "question", "turns")
 @dataclass
 class Sample:
     sample_id: str
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    messages: list[dict]  # normalised messages (data/messages.py): system, user, assistant, tool
     source: str  # "file:line" (JSONL) or "file:item" (1-based, JSON array)
+    tools: list[dict] | None = None  # the record's tool definitions, given to the chat template
     # The fingerprint of the target that wrote every assistant turn greedily (the generate stage's
     # ``greedy_by`` field), "" otherwise: the capture audit's agreement is judged on these samples.
     greedy_by: str = ""
 
     @property
     def needs_generation(self) -> bool:
-        """Prompt-only: no assistant turn yet (several user turns are answered turn by turn)."""
-        return not any(m["role"] == "assistant" for m in self.messages)
+        """An answer is missing: a prompt-only sample (no assistant turn: several user turns are answered
+        turn by turn), or a conversation that ends on tool results (the reply to them)."""
+        return None in answer_script(self.messages)
 
 
 @dataclass
@@ -61,10 +55,6 @@ class Reject:
     sample_id: str
     source: str
     reason: str
-
-
-class _BadRecord(Exception):
-    """Internal: one record is unusable; becomes a Reject with this message."""
 
 
 def builtin_names() -> list[str]:
@@ -103,58 +93,77 @@ def file_fingerprint(path: str | Path) -> dict[str, Any]:
     return {"data": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def input_path(data: str | None, cfg: DataConfig) -> Path:
-    """The file a stage reads: ``data`` (its --data), else ``data.path``, else ``DEFAULT_DATA``."""
-    return resolve_data_path(data or cfg.path or DEFAULT_DATA)
+def inputs_fingerprint(paths: list[Path]) -> dict[str, Any]:
+    """``file_fingerprint`` of a stage's input files: that of the one file when there is one (the record
+    runs over one file have always written); for several, their paths, total size and a sha256 over
+    their hashes in order."""
+    if len(paths) == 1:
+        return file_fingerprint(paths[0])
+    parts = [file_fingerprint(p) for p in paths]
+    joined = hashlib.sha256("\n".join(p["sha256"] for p in parts).encode()).hexdigest()
+    return {"data": [p["data"] for p in parts], "bytes": sum(p["bytes"] for p in parts), "sha256": joined}
 
 
-def read_input(data: str | None, cfg: DataConfig) -> tuple[Path, list[Sample], list[Reject]]:
-    """A stage's input (``input_path``) read whole with the data section's settings: (the file, its
-    samples, its rejected records)."""
-    source = input_path(data, cfg)
+def path_list(path: DataPath) -> list[str]:
+    """``data.path`` (or --data) as a list: one entry, or the several it names."""
+    entries = list(path) if isinstance(path, (list, tuple)) else [path]
+    return [str(p) for p in entries]
+
+
+def input_paths(data: DataPath | None, cfg: DataConfig) -> list[Path]:
+    """The files a stage reads, in order: ``data`` (its --data), else ``data.path``, else ``DEFAULT_DATA``."""
+    return [resolve_data_path(p) for p in path_list(data or cfg.path or DEFAULT_DATA)]
+
+
+def read_input(data: DataPath | None, cfg: DataConfig) -> tuple[list[Path], list[Sample], list[Reject]]:
+    """A stage's input (``input_paths``) read whole with the data section's settings: (the files, their
+    samples, their rejected records)."""
+    sources = input_paths(data, cfg)
     samples, rejects = [], []
-    for item in read_samples(source, cfg.format, cfg.max_samples, cfg.system_prompt):
+    for item in read_samples(sources, cfg.format, cfg.max_samples, cfg.system_prompt):
         (rejects if isinstance(item, Reject) else samples).append(item)
-    return source, samples, rejects
+    return sources, samples, rejects
 
 
 def read_samples(
-    path: str | Path,
+    path: DataPath,
     format: Format = "auto",
     max_samples: int | None = None,
     system_prompt: str | None = None,
 ) -> Iterator[Sample | Reject]:
-    """Yield one Sample or Reject per record, in file order; stop after ``max_samples`` Samples."""
-    file = resolve_data_path(str(path))
+    """Yield one Sample or Reject per record, file after file in file order; stop after ``max_samples``
+    Samples. Ids are unique over all the files."""
     seen: dict[str, str] = {}  # sample_id -> source of its first occurrence
     n_samples = 0
-    for pos, raw in _records(file):
-        source = f"{file}:{pos}"
-        fallback_id = f"{file.stem}-{pos}"
-        if isinstance(raw, _BadRecord):
-            yield Reject(fallback_id, source, str(raw))
-            continue
-        sample_id = _record_id(raw) or fallback_id
-        if sample_id in seen:
-            yield Reject(sample_id, source, f"duplicate id {sample_id!r} (first at {seen[sample_id]})")
-            continue
-        seen[sample_id] = source
-        try:
-            messages = _to_messages(raw, format)
-        except _BadRecord as e:
-            yield Reject(sample_id, source, str(e))
-            continue
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        greedy_by = raw.get("greedy_by") if isinstance(raw, dict) else None
-        yield Sample(sample_id, messages, source, greedy_by if isinstance(greedy_by, str) else "")
-        n_samples += 1
-        if max_samples is not None and n_samples >= max_samples:
-            return
+    for name in path_list(path):
+        file = resolve_data_path(name)
+        for pos, raw in _records(file):
+            source = f"{file}:{pos}"
+            fallback_id = f"{file.stem}-{pos}"
+            if isinstance(raw, BadRecord):
+                yield Reject(fallback_id, source, str(raw))
+                continue
+            sample_id = _record_id(raw) or fallback_id
+            if sample_id in seen:
+                yield Reject(sample_id, source, f"duplicate id {sample_id!r} (first at {seen[sample_id]})")
+                continue
+            seen[sample_id] = source
+            try:
+                messages, tools = _to_messages(raw, format)
+            except BadRecord as e:
+                yield Reject(sample_id, source, str(e))
+                continue
+            if system_prompt is not None and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            greedy_by = raw.get("greedy_by") if isinstance(raw, dict) else None
+            yield Sample(sample_id, messages, source, tools, greedy_by if isinstance(greedy_by, str) else "")
+            n_samples += 1
+            if max_samples is not None and n_samples >= max_samples:
+                return
 
 
 def _records(file: Path) -> Iterator[tuple[int, Any]]:
-    """(line or item number, parsed record | _BadRecord) pairs; DataError if the file is unusable."""
+    """(line or item number, parsed record | BadRecord) pairs; DataError if the file is unusable."""
     if file.is_dir():
         raise DataError(f"data path {file} is a directory; pass one JSONL or JSON file")
     try:
@@ -192,14 +201,14 @@ def _jsonl_lines(data: bytes) -> Iterator[tuple[int, Any]]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield lineno, _BadRecord(
+            yield lineno, BadRecord(
                 f"line is not valid UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
             )
             continue
         try:
             yield lineno, json.loads(text)
         except json.JSONDecodeError as e:
-            yield lineno, _BadRecord(f"malformed JSON: {e.msg} at column {e.colno}")
+            yield lineno, BadRecord(f"malformed JSON: {e.msg} at column {e.colno}")
 
 
 def _record_id(raw: Any) -> str | None:
@@ -212,17 +221,17 @@ def _record_id(raw: Any) -> str | None:
     return None
 
 
-def _to_messages(raw: Any, format: Format) -> list[dict]:
-    """Normalised, validated messages of one record (raises _BadRecord with the reason)."""
+def _to_messages(raw: Any, format: Format) -> tuple[list[dict], list[dict] | None]:
+    """Normalised, validated (messages, tools) of one record (raises BadRecord with the reason)."""
     if isinstance(raw, dict) and isinstance(raw.get("conversations", raw.get("messages")), list):
         turns = raw.get("conversations", raw.get("messages"))
         form = _conversation_form(turns)
         if format not in ("auto", form):
-            raise _BadRecord(f"record is in {form} form but data.format={format!r}")
-        return _check_order(_conversation(turns))
+            raise BadRecord(f"record is in {form} form but data.format={format!r}")
+        return conversation(turns, raw.get("tools"), raw.get("system"))
     if format in ("sharegpt", "openai"):
-        raise _BadRecord(f"data.format={format!r} needs a 'conversations' or 'messages' list")
-    return _prompt_messages(raw)
+        raise BadRecord(f"data.format={format!r} needs a 'conversations' or 'messages' list")
+    return _prompt_messages(raw), None
 
 
 def _conversation_form(turns: list) -> str:
@@ -230,55 +239,21 @@ def _conversation_form(turns: list) -> str:
     return "sharegpt" if "from" in first or "value" in first else "openai"
 
 
-def _conversation(turns: list) -> list[dict]:
-    if not turns:
-        raise _BadRecord("empty conversation")
-    messages = []
-    for i, turn in enumerate(turns, start=1):
-        if not isinstance(turn, dict):
-            raise _BadRecord(f"turn {i} is a JSON {_json_type(turn)}, expected an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
-            raise _BadRecord(
-                f"turn {i}: unknown role {role!r}; expected one of {sorted(ROLE_ALIASES)}"
-            )
-        role = ROLE_ALIASES[role.lower()]
-        if not isinstance(content, str) or not content.strip():
-            raise _BadRecord(f"turn {i} ({role}): empty content")
-        messages.append({"role": role, "content": content})
-    return messages
-
-
-def _check_order(messages: list[dict]) -> list[dict]:
-    """Optional system first, then user/assistant alternating, starting with user."""
-    body = messages[1:] if messages[0]["role"] == "system" else messages
-    offset = len(messages) - len(body)
-    if not body:
-        raise _BadRecord("conversation has only a system message")
-    for i, m in enumerate(body):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            where = "the first turn" if i == 0 else f"turn {i + offset + 1} (after {body[i - 1]['role']})"
-            raise _BadRecord(f"wrong role order: {where} is {m['role']}, expected {expected}")
-    return messages
-
-
 def _prompt_messages(raw: Any) -> list[dict]:
     """Prompt-only forms -> one or more user messages (MT-bench turns stay separate)."""
     if isinstance(raw, str):
         return [_user(raw, "the record")]
     if not isinstance(raw, dict):
-        raise _BadRecord(f"record is a JSON {_json_type(raw)}; expected an object or a string")
+        raise BadRecord(f"record is a JSON {json_type(raw)}; expected an object or a string")
     if "turns" in raw:
         turns = raw["turns"]
         if not isinstance(turns, list) or not turns:
-            raise _BadRecord("'turns' must be a non-empty list of strings")
+            raise BadRecord("'turns' must be a non-empty list of strings")
         return [_user(t, f"turns[{i}]") for i, t in enumerate(turns)]
     if "instruction" in raw:
         extra = raw.get("input") or ""
         if not isinstance(extra, str):
-            raise _BadRecord("'input' must be a string")
+            raise BadRecord("'input' must be a string")
         msg = _user(raw["instruction"], "'instruction'")
         if extra.strip():
             msg["content"] = f"{msg['content']}\n\n{extra}"
@@ -286,20 +261,15 @@ def _prompt_messages(raw: Any) -> list[dict]:
     for key in ("prompt", "question"):
         if key in raw:
             return [_user(raw[key], f"'{key}'")]
-    raise _BadRecord(
+    raise BadRecord(
         f"unrecognised record with keys {sorted(raw)}; expected 'conversations'/'messages', "
         f"one of {list(PROMPT_FIELDS)}, or a bare JSON string"
     )
 
 
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
-
-
 def _user(text: Any, what: str) -> dict:
     if not isinstance(text, str):
-        raise _BadRecord(f"{what} is a JSON {_json_type(text)}, expected a string")
+        raise BadRecord(f"{what} is a JSON {json_type(text)}, expected a string")
     if not text.strip():
-        raise _BadRecord(f"empty content: {what} is blank")
+        raise BadRecord(f"empty content: {what} is blank")
     return {"role": "user", "content": text}

@@ -105,8 +105,8 @@ class SGLangEngine:
         # Where capture calls spend their time, summed since the engine was built (seconds): waiting
         # for a call slot (max_concurrent_calls), inside SGLang (submitted until answered), collecting
         # the hook's files; and `engine_idle`, the time no capture call of ours was inside SGLang.
-        # `max_in_flight`: the most capture calls inside SGLang at once. Read by
-        # benchmarks/device/sglang_capture.py.
+        # `max_in_flight`: the most capture calls inside SGLang at once. Read by the capture timings
+        # (`git show 8c13bf9:benchmarks/device/sglang_capture.py`) and tests/sglang_contract/test_restart.py.
         self.capture_seconds = {"calls": 0, "slot_wait": 0.0, "generate": 0.0, "collect": 0.0, "engine_idle": 0.0,
                                 "max_in_flight": 0}
         self._in_flight = 0

@@ -37,7 +37,7 @@ back when the last link is unlinked and unmapped. One file per batch, not per re
 shares its process with SGLang's scheduler loop, which runs Python without pause, so each system
 call the writer returns from waits for the GIL (up to the 5-ms switch interval); a batch costs a
 few calls plus one link per request instead of five or six calls per request
-(benchmarks/capture_writer_gil.py).
+(benchmarks/results/capture_writer_gil_cpu.json).
 """
 
 from __future__ import annotations

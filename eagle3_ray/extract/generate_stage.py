@@ -82,7 +82,7 @@ class DistillActor:
         (None: none rejected), which are not answered, and ``per_copy`` the summary of each copy (its
         ``total``: the records of that copy in the part file). ``synthetic``: first write that many
         requests of the target's own and answer them too (``synthetic`` in the summary: how many)."""
-        from eagle3_ray.data.distill import self_distill
+        from eagle3_ray.data.distill import needs_answers, self_distill
         from eagle3_ray.data.synthetic import synthetic_prompts
 
         written = []
@@ -90,14 +90,15 @@ class DistillActor:
             written = synthetic_prompts(self.engine, self.tokenizer, synthetic.count, synthetic.path,
                                         actor=synthetic.actor, batch_size=gen.batch_size,
                                         seed=synthetic_seed(gen.seed, synthetic.actor))
-        ordered, too_long = generation_order(list(samples) + written, self.tokenizer, max_length)
+        regenerate = gen.after_tools == "regenerate"
+        ordered, too_long = generation_order(list(samples) + written, self.tokenizer, max_length, regenerate)
         per_copy = []
         for copy in range(gen.samples_per_prompt):
             if copy == 0:
                 todo, temperature = ordered, gen.temperature
-            else:  # samples with answers already would only be repeated: prompt-only ones are copied
+            else:  # samples with nothing to write would only be repeated: those with answers to write are copied
                 todo = [dataclasses.replace(s, sample_id=copy_id(s.sample_id, copy))
-                        for s in ordered if s.needs_generation]
+                        for s in ordered if needs_answers(s, regenerate)]
                 temperature = gen.sample_temperature
             summary = self_distill(
                 self.engine,
@@ -109,6 +110,7 @@ class DistillActor:
                 top_p=gen.top_p,
                 batch_size=gen.batch_size,
                 seed=copy_seed(gen.seed, copy),
+                regenerate_after_tools=regenerate,
                 answered_by=self.fingerprint,
             )
             per_copy.append(dict(vars(summary)) if hasattr(summary, "__dict__") else dict(summary))
@@ -139,32 +141,32 @@ def synthetic_seed(seed: int, actor: int) -> int:
     return seed + SYNTHETIC_SEED_OFFSET + actor * COPY_SEED_STRIDE
 
 
-def generation_order(samples: list, tokenizer: Any, max_length: int | None = None) -> tuple[list, list[dict]]:
+def generation_order(samples: list, tokenizer: Any, max_length: int | None = None,
+                     regenerate_after_tools: bool = False) -> tuple[list, list[dict]]:
     """(samples in the order to answer them, reject records of the prompts too long to answer).
 
-    Order: samples that need no generation first, then prompt-only ones by number of user turns and
-    by the token length of their first generation prompt (stable, so the order is the same on a
-    rerun and resume skips what was written). A prompt-only sample whose first generation prompt has
-    ``max_length`` tokens or more is rejected: every token of its answer would lie past
-    ``data.max_length``, where preparation cuts or rejects the conversation.
+    Order: samples with nothing to write first, then the others by the number of answers to write and
+    by the token length of their first generation prompt (stable, so the order is the same on a rerun
+    and resume skips what was written). A sample whose first generation prompt has ``max_length``
+    tokens or more is rejected: every token of its answer would lie past ``data.max_length``, where
+    preparation cuts or rejects the conversation.
     """
     from eagle3_ray.data.chat import render_generation_prompt
+    from eagle3_ray.data.messages import answer_script
 
     keyed, rejects = [], []
     for pos, s in enumerate(samples):
-        if not s.needs_generation:
+        script = answer_script(s.messages, regenerate_after_tools)
+        if None not in script:
             keyed.append(((0, 0, pos), s))
             continue
-        msgs = s.messages
-        first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs) - 1)
-        n = len(render_generation_prompt(tokenizer, msgs[: first_user + 1]))
+        n = len(render_generation_prompt(tokenizer, script[: script.index(None)], s.tools))
         if max_length is not None and n >= max_length:
             rejects.append({"sample_id": s.sample_id, "source": s.source, "stage": "generate",
                             "reason": f"the prompt has {n} tokens, data.max_length={max_length} leaves no room "
                                       "for an answer; raise data.max_length"})
             continue
-        turns = sum(m["role"] == "user" for m in msgs)
-        keyed.append(((turns, n, pos), s))
+        keyed.append(((script.count(None), n, pos), s))
     keyed.sort(key=lambda kv: kv[0])
     return [s for _, s in keyed], rejects
 
@@ -192,14 +194,16 @@ def join_in_order(parts: list[Path], ids: list[str], dst) -> int:
     return len(lines)
 
 
-def check_copy_ids(samples: list, copies: int) -> None:
-    """DataError if a sampled copy's id ``<id>#s<copy>`` (copies 1..``copies``-1 of the prompt-only
-    ``samples``) is the id of an input sample: the two records would share an id."""
+def check_copy_ids(samples: list, copies: int, regenerate_after_tools: bool = False) -> None:
+    """DataError if a sampled copy's id ``<id>#s<copy>`` (copies 1..``copies``-1 of the ``samples`` with
+    answers to write) is the id of an input sample: the two records would share an id."""
+    from eagle3_ray.data.distill import needs_answers
+
     if copies <= 1:
         return
     given = {s.sample_id: s.source for s in samples}
     for s in samples:
-        if not s.needs_generation:
+        if not needs_answers(s, regenerate_after_tools):
             continue
         for copy in range(1, copies):
             cid = copy_id(s.sample_id, copy)
@@ -220,6 +224,7 @@ def answer_settings(cfg: PipelineConfig) -> dict[str, Any]:
                 "generate.temperature": g.temperature, "generate.top_p": g.top_p, "generate.seed": g.seed}
     if g.samples_per_prompt > 1:
         settings["generate.sample_temperature"] = g.sample_temperature
+    settings["generate.after_tools"] = g.after_tools
     return settings
 
 
@@ -230,7 +235,8 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
     meta = out / ANSWERS_META
     parts = [p for pattern in PART_GLOBS for p in sorted(out.glob(pattern))]
     if parts and meta.is_file():
-        before = json.loads(meta.read_text(encoding="utf-8"))
+        # Parts recorded before generate.after_tools existed kept every given answer.
+        before = {"generate.after_tools": "keep", **json.loads(meta.read_text(encoding="utf-8"))}
         changed = [f"{k}={before[k]!r} then, {v!r} now" for k, v in settings.items() if k in before and before[k] != v]
         if changed:
             raise ConfigError(
@@ -244,15 +250,15 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
     import ray
 
-    from eagle3_ray.data.sources import file_fingerprint, read_input
+    from eagle3_ray.data.sources import inputs_fingerprint, read_input
 
     t0 = time.monotonic()
     out = Path(out)
     save_resolved(cfg, out)
-    source, samples, rejected = read_input(data, cfg.data)
+    sources, samples, rejected = read_input(data, cfg.data)
     rejects = [{**dataclasses.asdict(r), "stage": "generate"} for r in rejected]
     copies = cfg.generate.samples_per_prompt
-    check_copy_ids(samples, copies)
+    check_copy_ids(samples, copies, cfg.generate.after_tools == "regenerate")
     n_synthetic = cfg.generate.synthetic_prompts
     taken = [s.sample_id for s in samples if s.sample_id.startswith(SYNTHETIC_ID)] if n_synthetic else []
     if taken:
@@ -261,7 +267,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
                         "records or set generate.synthetic_prompts=0")
     # The input's content too: the parts resume by id, and a record edited under its id would keep
     # its old answer (`eagle3-ray run` refuses other data for its --out before this stage).
-    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": file_fingerprint(source)["sha256"]})
+    check_answer_settings(out, {**answer_settings(cfg), "input.sha256": inputs_fingerprint(sources)["sha256"]})
     (out / REJECTS_FILE).unlink(missing_ok=True)
     append_rejects(out, rejects)
 

@@ -61,7 +61,8 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
     t0 = time.monotonic()
     out = Path(out)
     save_resolved(cfg, out)
-    source, samples, rejected = read_input(data, cfg.data)
+    sources, samples, rejected = read_input(data, cfg.data)
+    source = ", ".join(str(p) for p in sources)
     rejects = [{**asdict(r), "stage": "prepare"} for r in rejected]
     (out / REJECTS_FILE).unlink(missing_ok=True)
     if not samples:
@@ -70,8 +71,8 @@ def run_prepare(cfg: PipelineConfig, data: str | None, out: str | Path) -> Prepa
             f"no usable samples in {source} ({len(rejects)} rejected, reasons in {out / REJECTS_FILE}); "
             "pass --data with conversations in ShareGPT or OpenAI form"
         )
-    rows = [{"sample_id": s.sample_id, "messages": json.dumps(s.messages), "source": s.source,
-             "greedy_by": s.greedy_by} for s in samples]
+    rows = [{"sample_id": s.sample_id, "messages": json.dumps(s.messages), "tools": json.dumps(s.tools),
+             "source": s.source, "greedy_by": s.greedy_by} for s in samples]
 
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // TOKENIZE_BATCH))
     # Tokenized once; the rows stay in Ray Data (object store): the driver reads back only each row's

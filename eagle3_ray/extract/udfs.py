@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class TokenizeUDF:
-    """messages -> input_ids / loss_mask with the tokenizer's own chat template, and each row's token
+    """messages (and tools) -> input_ids / loss_mask with the tokenizer's own chat template, and each row's token
     and loss-token counts; a rejected row keeps its reason in ``reject`` ("" for a kept row).
     ``greedy_by`` (the target that answered the sample greedily, or "") travels on."""
 
@@ -44,8 +44,10 @@ class TokenizeUDF:
         from eagle3_ray.errors import SampleRejected
 
         ids, masks, n_tokens, rejects = [], [], [], []
-        for sid, messages, source in zip(batch["sample_id"], batch["messages"], batch["source"]):
-            sample = Sample(sample_id=str(sid), messages=json.loads(messages), source=str(source))
+        tools = batch["tools"] if "tools" in batch else ["null"] * len(batch["sample_id"])  # JSON, per row
+        for sid, messages, source, tool_list in zip(batch["sample_id"], batch["messages"], batch["source"], tools):
+            sample = Sample(sample_id=str(sid), messages=json.loads(messages), source=str(source),
+                            tools=json.loads(tool_list))
             try:
                 tok = tokenize_conversation(self.tokenizer, sample, self.max_length, self.truncate)
             except SampleRejected as e:

@@ -3,7 +3,8 @@
 A checkpoint directory (one per `ray.train.report`, merged over ranks by Ray Train):
     ds/                     DeepSpeed state of every rank: module, optimizer, LR scheduler
     drafter.safetensors     full drafter weights (rank 0), + drafter_config.json
-    train_state.json        step, epoch, metrics, and the run identity used to refuse other configs
+    train_state.json        step, epoch, metrics, the run identity used to refuse other configs, and with
+                            train.keep_best the best held-out evaluation so far (`best`) and the last one
     data_state/rank-R.json  packs (epoch:index) rank R consumed: the data position
 DeepSpeed's `ds/` files are torch pickles written by this run; only resume from checkpoints your own
 runs wrote. Exported drafters and drafter weights are safetensors only.
@@ -14,6 +15,10 @@ layout this project writes below it, never anywhere else under it:
     <dir>/checkpoint_*/                                <dir> is a Ray Train run dir
     <dir>/<name>-train/checkpoint_*/                   <dir> is Ray Train storage (ray.storage_path)
     <dir>/ray_train/<name>-train/checkpoint_*/         <dir> is the --out of `eagle3-ray train`
+
+The best checkpoint (train.keep_best): the newest checkpoint's `best` names the step whose held-out tau
+no later evaluation beat; that checkpoint is kept beside the newest (Ray Train's CheckpointConfig
+scores checkpoints by ``SCORE``), and ``select_checkpoint`` finds it for `eagle3-ray export`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,9 @@ DS_TAG = "ds"
 TRAIN_STORAGE = "ray_train"  # <train --out>/ray_train: Ray Train's storage unless ray.storage_path is set
 RUN_DIR_GLOB = "*-train"  # Ray Train run dirs are named "<config name>-train" (trainer.fit)
 CHECKPOINT_GLOB = "checkpoint_*"
+# The metric Ray Train keeps checkpoints by under train.keep_best: the held-out tau of the checkpoint's own
+# weights, 0 for a checkpoint not evaluated at its step (a measured tau is at least 1).
+SCORE = "checkpoint_val_tau"
 # The only places below a named directory where checkpoints are looked for (module docstring).
 _LAYOUT = (f"{CHECKPOINT_GLOB}/{TRAIN_STATE}", f"{RUN_DIR_GLOB}/{CHECKPOINT_GLOB}/{TRAIN_STATE}",
            f"{TRAIN_STORAGE}/{RUN_DIR_GLOB}/{CHECKPOINT_GLOB}/{TRAIN_STATE}")
@@ -201,5 +210,112 @@ def _safetensors_problem(path: Path) -> str | None:
     return None if size == 8 + n + end else f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
 
 
-def export_from_training(checkpoint: str | Path, out: str | Path, engine: str = "sglang") -> Path:
-    return export_drafter(find_checkpoint(checkpoint), out, engine=engine)
+def improves(best: dict[str, Any] | None, val_tau: float) -> bool:
+    """An evaluation of held-out tau ``val_tau`` becomes the best (``best``: the best so far, None for none).
+    A tie goes to the later evaluation, as Ray Train's CheckpointConfig breaks ties of ``SCORE``."""
+    return best is None or val_tau >= best["val_tau"]
+
+
+class KeepBest:
+    """train.keep_best's record on a training worker: the best held-out evaluation so far and the last one
+    ({"step", "val_tau"}), restored from a checkpoint's train_state.json (``state``), so that a resumed
+    attempt compares its evaluations with those of the attempts before it. Every rank keeps one and takes
+    the same decisions (the held-out sums are added over the ranks before ``evaluated``)."""
+
+    def __init__(self, enabled: bool, state: dict[str, Any] | None = None):
+        self.enabled = enabled
+        state = state or {}
+        self.best: dict[str, Any] | None = state.get("best")
+        self.last: dict[str, Any] | None = state.get("last_eval")
+
+    def evaluated(self, step: int, val_tau: float) -> bool:
+        """Record an evaluation; True when it is the best so far, so that its step is checkpointed now."""
+        new_best = self.enabled and improves(self.best, val_tau)
+        self.last = {"step": step, "val_tau": val_tau}
+        if new_best:
+            self.best = self.last
+        return new_best
+
+    def state(self) -> dict[str, Any]:
+        """The entries of a checkpoint's train_state.json."""
+        return {**({"last_eval": self.last} if self.last is not None else {}),
+                **({"best": self.best} if self.enabled else {})}
+
+    def score(self, step: int) -> dict[str, float]:
+        """The metric Ray Train keeps checkpoints by, for a checkpoint of ``step`` ({} when not keeping)."""
+        if not self.enabled:
+            return {}
+        evaluated = self.last is not None and self.last["step"] == step
+        return {SCORE: self.last["val_tau"] if evaluated else 0.0}
+
+
+@dataclass(frozen=True)
+class Selected:
+    """The checkpoint `export` takes, and why (``which``: "best", "latest", or "named" for a checkpoint
+    named itself); ``best``: the run's best evaluation ({"step", "val_tau"}) where it kept one."""
+
+    path: Path
+    step: int
+    which: str
+    best: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        if self.which == "best":
+            return f"the best checkpoint, step {self.step} (held-out tau {self.best['val_tau']:.3f})"
+        if self.which == "named":
+            return f"checkpoint {self.path.name}, step {self.step}"
+        return f"the latest checkpoint, step {self.step}"
+
+
+def select_checkpoint(path: str | Path, which: str | None = None, what: str = "--checkpoint") -> Selected:
+    """The checkpoint of ``path`` that `export` takes: ``which`` = "best" (the run's best held-out tau,
+    kept by train.keep_best), "latest", or None: the best where the run kept one, else the latest. A
+    checkpoint named itself is taken as it is (``which`` must then be None). CheckpointError, saying what
+    to pass, where there is no such checkpoint."""
+    path = require_dir(path, what, "pass the --out of `eagle3-ray train` or one of its checkpoint_* directories",
+                       CheckpointError)
+    if (path / TRAIN_STATE).is_file():
+        if which is not None:
+            raise CheckpointError(
+                f"--which {which}: {what} {path} is one checkpoint, not a training run; drop --which to export "
+                "it, or pass the --out of `eagle3-ray train` to choose among its checkpoints"
+            )
+        return Selected(path, int(read_train_state(path).get("step", 0)), "named")
+    latest = find_checkpoint(path, what)
+    state = read_train_state(latest)
+    best, step = state.get("best"), int(state.get("step", 0))
+    if which == "latest" or (which is None and best is None):
+        return Selected(latest, step, "latest", best)
+    if best is None:
+        raise CheckpointError(
+            f"--which best: the run in {what} {path} kept no best checkpoint (its training evaluated no held-out "
+            "samples, train.val_share=0 and no train.eval_only, or ran with train.keep_best=none); pass --which "
+            "latest, or train with train.val_share > 0"
+        )
+    for ckpt in checkpoint_dirs(path):
+        if read_train_state(ckpt).get("step") == best["step"]:
+            return Selected(ckpt, int(best["step"]), "best", best)
+    raise CheckpointError(
+        f"the run in {what} {path} kept its best checkpoint at step {best['step']} (held-out tau "
+        f"{best['val_tau']:.3f}), and no checkpoint_* of that step is there any more; pass --which latest to "
+        f"export step {step}, or put that checkpoint back"
+    )
+
+
+def best_summary(path: str | Path) -> dict[str, Any] | None:
+    """Which evaluation won, and by how much over the last one (the newest checkpoint's record): for the
+    training summary; None where the run kept no best."""
+    state = read_train_state(latest_checkpoint(Path(path)) or Path(path))
+    best, last = state.get("best"), state.get("last_eval")
+    if best is None or last is None:
+        return None
+    return {"step": best["step"], "val_tau": best["val_tau"], "last_eval_step": last["step"],
+            "last_eval_val_tau": last["val_tau"], "margin": best["val_tau"] - last["val_tau"]}
+
+
+def export_from_training(checkpoint: str | Path, out: str | Path, engine: str = "sglang",
+                         which: str | None = None) -> Path:
+    """Export the checkpoint ``select_checkpoint`` picks (the best by default, where the run kept one)."""
+    selected = select_checkpoint(checkpoint, which)
+    say(f"[export] {selected.describe()}: {selected.path}")
+    return export_drafter(selected.path, out, engine=engine)

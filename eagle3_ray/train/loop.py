@@ -3,7 +3,9 @@
 Runs in every TorchTrainer worker (`train_func`). `deepspeed.initialize` wraps the drafter (ZeRO stage
 from the config; bf16 on GPU, fp32 + gloo on CPU); the training step itself is train/step.py's
 `TrainStep`, the one every benchmark runs too. Features arrive as packed micro-batches through
-`ray.train.get_dataset_shard("train")`.
+`ray.train.get_dataset_shard("train")`. With `train.keep_best`, an evaluation that beats the earlier ones
+is checkpointed at once (Ray Train keeps it: trainer.fit's CheckpointConfig); `train.trackers` get every
+metrics row from rank 0 (train/trackers.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from eagle3_ray.data.vocab import load_vocab_map
 from eagle3_ray.drafter.export import init_drafter_from, save_drafter_weights
 from eagle3_ray.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
-from eagle3_ray.drafter.ttt import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
+from eagle3_ray.drafter.ttt_metrics import HELD_OUT_WIDTH, TTTOutput, held_out_metrics, mean_metrics
 from eagle3_ray.drafter.ttt_attention import Segments
 from eagle3_ray.engines.heads import load_target_heads
 from eagle3_ray.progress import say
@@ -35,7 +37,7 @@ from eagle3_ray.train.context_parallel import ContextParallel, CPShard
 from eagle3_ray.train.context_parallel import setup as cp_setup
 from eagle3_ray.train.data import CP_KEYS, row_to_batch
 from eagle3_ray.train.prefetch import PackPrefetcher, ReplayCache
-from eagle3_ray.train.schedule import warmup_cosine
+from eagle3_ray.train.schedule import warmup_cosine, warmup_steps_of
 from eagle3_ray.train.step import ADAMW_BETAS, ADAMW_EPS, StepConfig, TrainStep, resolve_attention
 
 
@@ -191,6 +193,9 @@ class Trainer:
         self.unsynced_tokens = 0
         self.engine = self.train_step = self.vote_group = self.val_shard = self.val_rows = None
         self.cp = ContextParallel()  # this rank's context-parallel group (setup)
+        # train.keep_best: the best held-out evaluation so far and the last one (restored with the checkpoint)
+        self.keep_best = ck.KeepBest(self.t.keep_best == "held_out_tau" and job.val_packs > 0)
+        self.trackers = None  # rank 0's train.trackers (setup)
 
     def setup(self) -> Trainer:
         import deepspeed  # heavy: imported in the worker only
@@ -205,8 +210,10 @@ class Trainer:
         if t.compile:
             drafter.midlayer.compile()
 
+        warmup = warmup_steps_of(t.warmup_steps, t.warmup_ratio, job.total_steps)
+
         def lr_lambda(step: int) -> float:
-            return warmup_cosine(step, t.warmup_steps, job.total_steps, t.min_lr_ratio)
+            return warmup_cosine(step, warmup, job.total_steps, t.min_lr_ratio)
 
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter,
@@ -227,6 +234,10 @@ class Trainer:
             self.val_shard = ray.train.get_dataset_shard(name)
             # read once, then replayed: each pass over the shard is a new execution of its dataset
             self.val_rows = ReplayCache(lambda: pack_stream(self.val_shard), t.val_cache_bytes)
+        if self.rank == 0 and t.trackers:
+            from eagle3_ray.train.trackers import Trackers  # the trackers' libraries: rank 0 only
+
+            self.trackers = Trackers.start(t, job.run, Path(job.out_dir), self.resumed_from)
         return self
 
     def restore(self) -> tuple[int, set[str]]:
@@ -249,6 +260,7 @@ class Trainer:
         self.engine.load_checkpoint(str(d), tag=ck.DS_TAG)
         consumed = ck.consumed_packs(d)
         self.train_tokens = state.get("train_tokens")  # absent in checkpoints older than the count
+        self.keep_best = ck.KeepBest(self.keep_best.enabled, state)
         if offered is not None and Path(offered.path) == d:
             source = "from Ray Train's checkpoint ("
         else:
@@ -314,8 +326,10 @@ class Trainer:
                              "world_size": self.world_size, "zero_stage": engine.zero_optimization_stage()}
                     if train_tokens is not None:
                         state["train_tokens"] = train_tokens
-                    ck.write_json(d / ck.TRAIN_STATE, state)
-            ray.train.report({**metrics, "step": self.global_step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                    ck.write_json(d / ck.TRAIN_STATE, {**state, **self.keep_best.state()})
+            # with train.keep_best, the score Ray Train keeps the best checkpoints by (trainer.checkpoint_config)
+            ray.train.report({**metrics, "step": self.global_step, **self.keep_best.score(self.global_step)},
+                             checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     def fit(self) -> None:
         """Train on this worker's shard until `max_steps` or the data runs out on any rank."""
@@ -324,10 +338,14 @@ class Trainer:
         name = f"train_{self.rank}" if self.cp.enabled else "train"
         prefetch = PackPrefetcher(pack_stream(ray.train.get_dataset_shard(name)), self._convert, self.device,
                                   skip=frozenset(self.consumed), depth=self.t.prefetch_packs)
+        failed = True
         try:
             self._loop(prefetch)
+            failed = False
         finally:
             prefetch.close()
+            if self.trackers is not None:
+                self.trackers.close(failed)
 
     def _loop(self, prefetch: PackPrefetcher) -> None:
         t = self.t
@@ -354,6 +372,7 @@ class Trainer:
                 continue
             self.global_step += 1
             step = self.global_step
+            new_best = False
             if step % t.log_every == 0 or step == self.max_steps:
                 m = mean_metrics(window, t.loss_decay)  # waits for the window's steps to finish
                 elapsed = time.monotonic() - t0  # so measured after that wait: the window's real time
@@ -369,6 +388,7 @@ class Trainer:
                 if self.job.val_packs and (step >= next_eval or step == self.max_steps):
                     m.update(self.evaluate())  # every rank: its share of the held-out packs, summed
                     next_eval = (step // t.eval_every + 1) * t.eval_every
+                    new_best = self.keep_best.evaluated(step, m["val_tau"])  # the same on every rank
                 last_metrics = m
                 if self.rank == 0:
                     self._log(m)
@@ -376,7 +396,7 @@ class Trainer:
                 # (2 s by default), a stall per logged step; metrics go to metrics.jsonl and Prometheus,
                 # and Ray Train gets them with every checkpoint.
                 window, tokens, wait, t0 = [], 0, 0.0, time.monotonic()
-            if step % t.checkpoint_every == 0 or step == self.max_steps:
+            if step % t.checkpoint_every == 0 or step == self.max_steps or new_best:
                 self.save(last_metrics)
                 saved_step = step
         if self.global_step != saved_step:  # the data ran out between checkpoints: keep the final state
@@ -387,6 +407,8 @@ class Trainer:
         dashboard.record_train_step(m, self.job.run, t.ttt_steps)
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(m) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(m)
         accs = " ".join(f"{m.get(f'acc_{i}', 0):.2f}" for i in range(t.ttt_steps))
         say(f"[train] step {m['step']}/{self.max_steps} loss {m['loss']:.3f} tau {m['tau']:.2f} "
             f"(served {m['tau_served']:.2f}) acc [{accs}] "

@@ -13,6 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from eagle3_ray.data.groups import base_id, sample_groups
+
 BUCKET_WINDOW = 512  # samples sorted by length together: low padding, still well shuffled
 
 
@@ -84,6 +86,19 @@ def holdout_groups(groups: Sequence, share: float, seed: int) -> tuple[np.ndarra
     _, held_groups = holdout(len(index), share, seed)
     mask = np.isin(of, held_groups)
     return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+def split_store(sample_ids: Sequence[str], val_share: float, seed: int, val_groups: dict[str, str],
+                eval_only: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
+    """(training, held-out, eval-only mask, groups) of a store's samples, as training splits them:
+    the samples of the ``eval_only`` groups are all held out, a seeded ``val_share`` of the rest's
+    prompts (a prompt's answers ``<id>``, ``<id>#s1``, ... together) too. Indices sorted."""
+    ids = [str(sid) for sid in sample_ids]
+    groups = sample_groups(ids, val_groups)
+    only = np.fromiter((g in eval_only for g in groups), dtype=bool, count=len(groups))
+    rest = np.flatnonzero(~only)
+    keep, held = holdout_groups([base_id(ids[i]) for i in rest], val_share, seed)
+    return rest[keep], np.sort(np.concatenate([rest[held], np.flatnonzero(only)])), only, groups
 
 
 def plan_held_out(lengths: np.ndarray, held: np.ndarray, groups: Sequence[str | None], batch_tokens: int,

@@ -22,7 +22,8 @@ from typing import Iterable, Protocol
 
 import torch
 
-from eagle3_ray.drafter.ttt import WALK_STEPS, TTTOutput, held_out_metrics, held_out_sums, ttt_forward
+from eagle3_ray.drafter.ttt import ttt_forward
+from eagle3_ray.drafter.ttt_metrics import WALK_STEPS, TTTOutput, held_out_metrics, held_out_sums
 from eagle3_ray.errors import ConfigError
 from eagle3_ray.train.context_parallel import CP_ATTENTION, ContextParallelError
 
@@ -172,7 +173,7 @@ class TrainStep:
 
     def forward(self, batch: dict[str, torch.Tensor], walk_steps: int = 0) -> TTTOutput:
         """The TTT loss and stats of one batch (on the drafter's device), with gradients unless the
-        caller disables them; ``walk_steps``: also the walked chain (`drafter.ttt.chain_walk`)."""
+        caller disables them; ``walk_steps``: also the walked chain (`drafter.ttt_metrics.chain_walk`)."""
         c = self.cfg
         cp = self.cp if "cp_shard" in batch else None
         with self._autocast(batch["input_ids"]):
@@ -196,7 +197,7 @@ class TrainStep:
         return self.micro_steps > 0 and self.micro_steps % self.cfg.grad_accum == 0
 
     def held_out_sums(self, batches: Iterable[tuple[dict[str, torch.Tensor], int]]) -> torch.Tensor:
-        """`drafter.ttt.held_out_sums` of (batch, tokens) pairs through this step's forward, the chain
+        """`drafter.ttt_metrics.held_out_sums` of (batch, tokens) pairs through this step's forward, the chain
         of `WALK_STEPS` drafts (at most ttt_steps) walked over their assistant turns; sums, so that
         ranks can add theirs before `held_out_metrics`."""
         walk = min(WALK_STEPS, self.cfg.ttt_steps)

@@ -4,6 +4,8 @@ The driver refuses mismatched inputs before any worker starts (store vs target v
 writes the frozen target heads once, plans the packs, and hands workers a TrainJob (typed config
 sections, pickled by Ray as they are).
 Rerunning with the same --out resumes from the latest checkpoint (same RunConfig name + storage).
+With train.keep_best and held-out samples, Ray Train keeps checkpoints by their held-out tau beside the
+latest, and the summary (summary.json, the last line) says which step won and by how much.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from eagle3_ray.config import PipelineConfig, save_resolved
-from eagle3_ray.data.groups import base_id, sample_groups
+from eagle3_ray.data.groups import base_id
 from eagle3_ray.data.vocab import VOCAB_FILE, data_fingerprint, load_vocab_map, vocab_fingerprint
 from eagle3_ray.drafter.model import DrafterConfig
 from eagle3_ray.drafter.soft_ce import resolve_loss_kernel
@@ -35,12 +37,15 @@ from eagle3_ray.features.store import check_compatible
 from eagle3_ray.progress import say
 from eagle3_ray.ray_session import check_shared_dirs
 from eagle3_ray.train.checkpoint import (
-    TRAIN_STORAGE, check_identity, latest_checkpoint, read_train_state, write_json,
+    SCORE, TRAIN_STORAGE, best_summary, check_identity, latest_checkpoint, read_train_state, select_checkpoint,
+    write_json,
 )
 from eagle3_ray.train.data import build_train_dataset
 from eagle3_ray.train.loop import TrainJob, train_func
-from eagle3_ray.train.packing import Pack, holdout_groups, padding_efficiency, plan, plan_held_out, remap
+from eagle3_ray.train.packing import Pack, padding_efficiency, plan, plan_held_out, remap, split_store
+from eagle3_ray.train.schedule import warmup_steps_of
 from eagle3_ray.train.step import resolve_attention
+from eagle3_ray.train.trackers import check_installed
 
 
 def _vocab_file(vocab: str | Path) -> Path:
@@ -95,18 +100,14 @@ def plan_training(cfg: PipelineConfig, features: str | Path, vocab: str | Path, 
     # base id distinct) this is the plain per-sample split of earlier runs. Samples of the eval_only
     # groups are all held out; the share splits the rest.
     sample_ids = [str(sid) for sid in store.sample_ids]
-    groups = sample_groups(sample_ids, t.val_groups)
-    only = np.fromiter((g in t.eval_only for g in groups), dtype=bool, count=len(groups))
+    keep, held, only, groups = split_store(sample_ids, t.val_share, t.seed, t.val_groups, t.eval_only)
     for name in t.eval_only:
         if name not in groups:
             raise ConfigError(f"train.eval_only group {name!r} ({t.val_groups[name]!r}) matches no sample id of "
                               f"{features} (ids look like {sample_ids[:3]}); fix val_groups.{name} or drop it "
                               "from train.eval_only")
     rest = np.flatnonzero(~only)
-    prompts = [base_id(sample_ids[i]) for i in rest]
-    keep, held = holdout_groups(prompts, t.val_share, t.seed)
-    keep, held = rest[keep], np.sort(np.concatenate([rest[held], np.flatnonzero(only)]))
-    n_prompts = len(set(prompts))
+    n_prompts = len({base_id(sample_ids[i]) for i in rest})
     if t.val_share > 0 and len(held) == int(only.sum()):
         raise ConfigError(f"train.val_share={t.val_share} holds out nothing of a {len(rest)}-sample store "
                           f"({n_prompts} prompts; a prompt's answers are held out together); give a store of "
@@ -208,6 +209,10 @@ def plan_run(cfg: PipelineConfig, lengths, data_fp: str, vocab: str | Path, out:
         + f"; drafter H={drafter_cfg.hidden_size} "
         f"draft vocab {drafter_cfg.draft_vocab_size}"
     )
+    warmup = warmup_steps_of(t.warmup_steps, t.warmup_ratio, total)
+    if warmup >= total:
+        say(f"[train] warning: {warmup} warmup steps for a run of {total} optimizer steps: the learning rate "
+            f"rises to the end and never decays; set train.warmup_ratio (e.g. 0.02) or a smaller train.warmup_steps")
     return TrainPlan(drafter_config=drafter_cfg, heads_path=str(heads.resolve()), vocab_path=str(vocab_path.resolve()),
                      total_steps=total, identity={**run_identity, **(identity or {})}, packs=packs,
                      val_packs=val_packs or [], val_pack_groups=val_pack_groups or {})
@@ -305,6 +310,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
                           else ray.train.DataConfig(datasets_to_split=["train"]))
     if not use_gpu:  # the Triton loss on CPU; on GPUs each worker checks that Triton imports
         resolve_loss_kernel(cfg.train.loss_kernel, "cpu")
+    check_installed(cfg.train.trackers)  # here, as on every worker's node
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else out / TRAIN_STORAGE
     previous = latest_checkpoint(storage, complete_only=True) if storage.is_dir() else None
     if previous is not None:  # refuse before any worker starts (workers re-check on every restore)
@@ -313,6 +319,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
     # Every (re)start of the workers resumes from the newer of Ray Train's checkpoint and the newest
     # complete one here (Trainer.restore): one Ray Train has not registered yet is still taken.
     job = train_job(cfg, train_plan, out, use_gpu, storage, val_datasets or {})
+    keep_best = cfg.train.keep_best == "held_out_tau" and bool(train_plan.val_packs)  # held-out tau to keep by
     # Every worker writes its checkpoint shards to storage and reads the heads under out: refuse a
     # directory that a node of the cluster does not see, before any worker starts.
     check_shared_dirs({storage: "ray.storage_path (Ray Train's checkpoints)", out: "--out"})
@@ -328,7 +335,7 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
             name=f"{cfg.name}-train",
             storage_path=str(storage),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=checkpoint_config(keep_best),
         ),
         datasets={**train_sets, **(val_datasets or {})},
         dataset_config=dataset_config,
@@ -340,6 +347,32 @@ def fit(cfg: PipelineConfig, train_plan: TrainPlan, dataset, out: Path, t0: floa
     if ckpt is None:
         raise CheckpointError(f"training finished without a checkpoint under {storage}")
     summary = {"checkpoint": str(ckpt), "metrics": result.metrics, "seconds": round(time.monotonic() - t0, 1)}
+    run_dir = storage / f"{cfg.name}-train"  # this run's checkpoints (the storage may hold other runs')
+    best = best_summary(run_dir)
+    if best is not None:
+        summary["best"] = {**best, "checkpoint": str(select_checkpoint(run_dir, "best").path)}
     write_json(out / "summary.json", summary)
     say(f"[train] done: checkpoint {ckpt}")
+    if best is not None:
+        say(_best_line(summary["best"]))
     return ckpt
+
+
+def checkpoint_config(keep_best: bool) -> ray.train.CheckpointConfig:
+    """The checkpoints Ray Train keeps: with ``keep_best`` (train.keep_best and held-out samples to evaluate)
+    the two of the highest held-out tau (``SCORE``) and the latest, which Ray Train never deletes; else
+    the two latest."""
+    if keep_best:
+        return ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=SCORE,
+                                          checkpoint_score_order="max")
+    return ray.train.CheckpointConfig(num_to_keep=2)
+
+
+def _best_line(best: dict) -> str:
+    """The summary's line on the best checkpoint: which step won, and by how much over the last evaluation."""
+    head = f"[train] best held-out tau {best['val_tau']:.3f} at step {best['step']}"
+    if best["step"] == best["last_eval_step"]:
+        return f"{head}, the last evaluation; `eagle3-ray export` takes it ({best['checkpoint']})"
+    return (f"{head}, {best['margin']:+.3f} over the last evaluation's {best['last_eval_val_tau']:.3f} at step "
+            f"{best['last_eval_step']}; `eagle3-ray export` takes it (--which latest: the latest) "
+            f"({best['checkpoint']})")

@@ -347,35 +347,6 @@ def test_sglang_registers_our_hook_which_writes_each_request(
     assert _left(tmp_path) == []
 
 
-@pytest.mark.parametrize("probe", ["rows", "copy"])
-def test_the_benchmarks_probe_hook_stops_short_and_writes_no_file(target_dir, tmp_path, forward_batch_cls,
-                                                                  forward_mode, hf_rows, probe):
-    """benchmarks/device/sglang_capture_probe.py cuts the capture short to find its cost, loaded by
-    SGLang in place of the product's hook: "rows" hands nothing to the writer, "copy" has the writer
-    wait for the host copy of the batch; neither writes a capture. A probe it does not know fails at
-    registration."""
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
-
-    from benchmarks.device.sglang_capture_probe import probe_hooks
-
-    seqs, per_request = hf_rows
-    hooks = engine_kwargs(_target(target_dir, tp_size=1), "capture", capture_dir=tmp_path,
-                          fields=frozenset({AUX_FLAG}))["forward_hooks"]
-    with pytest.raises(ValueError, match="probe 'disk'"):
-        register_forward_hooks(TinyTargetWithLogitsProcessor(hidden=64, vocab=512), probe_hooks(hooks, "disk"))
-    model = TinyTargetWithLogitsProcessor(hidden=64, vocab=512)
-    register_forward_hooks(model, probe_hooks(hooks, probe))
-    aux = torch.cat([a for a, _ in per_request])
-    last = torch.cat([h for _, h in per_request])
-    batch = _forward_batch(forward_batch_cls, forward_mode.EXTEND, ["req-a", "req-b"], [len(s) for s in seqs])
-    flush(timeout=30)
-    before = writer().stats()["batches"]
-    model(torch.cat(seqs), last, batch, aux)
-    flush(timeout=30)
-    assert writer().stats()["batches"] - before == (1 if probe == "copy" else 0)
-    assert _left(tmp_path) == []
-
-
 def _left(directory: Path) -> list[Path]:
     """What the hook left in a capture directory besides its writer's stats file."""
     return [p for p in directory.iterdir() if p.name != STATS_FILE]

@@ -117,7 +117,7 @@ def test_with_chunked_prefill_off_the_activation_reserve_counts_max_prefill_toke
 
 def test_capture_keeps_chunked_prefill_off_and_the_length_knobs_at_sglangs_own(target, tmp_path):
     """engine_kwargs leaves the window and the prefill budget to SGLang; a long-sample run passes them
-    (benchmarks/device/long_capture.py: context_length past max_position_embeddings needs
+    (as the long-capture run of record long_capture_32k did: context_length past max_position_embeddings needs
     SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, max_prefill_tokens sizes the activation reserve)."""
     kw = engine_kwargs(target, "capture", capture_dir=tmp_path)
     assert kw["chunked_prefill_size"] == -1 and CAPTURE_FORCED["chunked_prefill_size"][0] == -1

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# eagle3-ray and SpecForge 0.2.0 side by side on one GPU (issue 59): the same target (SmolLM2-135M-Instruct),
+# the same self-distilled conversations, the same captured features, the same epochs; then both drafters'
+# tau in SGLang on the same MT-bench turns. Steps (STEP=...), each resumable (a finished part leaves a
+# marker under $RUN and is skipped when run again):
+#   install   .sf (benchmarks/peers/make-specforge-wheelhouse.sh) -> /tmp/sf
+#   start     copies the repository to $RUN/repo and runs `chain` there in a session of its own (setsid), so
+#             that it goes on across device calls; its log: $RUN/chain.log
+#   chain     data: N prompts of .gq/train_prompts.jsonl answered once by the target (the generate stage),
+#               MT-bench's 80 questions answered at 1024 new tokens (the fixed history of the tau benches)
+#             ours1: `eagle3-ray run` on those conversations, the preset's recipe, 1 epoch (fp8 store)
+#             bf16: the same prepared samples captured again in bf16 (what SpecForge's trainer reads)
+#             ours3: `eagle3-ray train` 3 epochs on the fp8 store, then export
+#             sfin: SpecForge's trainer inputs from the bf16 store (specforge_inputs.py; its own capture
+#               needs SGLang 0.5.14 internals, docs in that script)
+#             sf-aligned-1ep: `specforge train` (its offline example's recipe; draft vocabulary 16,384 as ours)
+#               alone on the GPU, timed, GPU memory sampled; `specforge export --to sglang`
+#             then, at once (speeds not figures): sf-aligned-3ep and sf-default-1ep (its 32,000 vocabulary)
+#   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree; TAU_RECIPE=1 TAU_OUT=tau-recipe:
+#             the recipe variants' drafters beside SpecForge's 1-epoch one
+#   recipe    one epoch of ours per recipe variant (VARIANTS) on ours1's store: why SpecForge won at 1 epoch
+#   wait      until $RUN/$WAIT_FOR exists or BUDGET seconds pass; prints the chain log's tail
+#   collect   results -> $OUT (one archive: logs, markers, metrics, inputs.json, tau.json, SpecForge's events)
+# Environment: `source benchmarks/device/session.sh env` first (PYTHONPATH, the GGUF).
+#   STEP=start N=4000 bash benchmarks/peers/specforge.sh
+set -uo pipefail
+: "${STEP:?STEP=install|start|chain|recipe|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
+: "${OUT:=$RUN/out}" "${GGUF:=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}" "${CONCURRENCY:=8}" "${MT_N:=80}" "${MT_TOKENS:=1024}"
+: "${CFG:=configs/smollm2-h200.yaml}"  # the CPU smoke (tests/test_benchmark_scripts.py) passes the demo preset
+export PYTHONUNBUFFERED=1 EAGLE3_RAY_CACHE=/tmp/e3cache RAY_DATA_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1
+SGL_KW="target.sglang.extra_engine_kwargs={attention_backend: triton, sampling_backend: pytorch, grammar_backend: none}"
+mkdir -p "$RUN" "$OUT"
+cli() { python3 -m eagle3_ray.cli "$@"; }
+TAG=peers
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+# SpecForge beside SGLang 0.5.17's wheelhouse (its transformers 5.12.1: what it was seen importing with)
+sf_env() { export PYTHONPATH=/tmp/sf:/tmp/sgl:${PYTHONPATH:-}; }
+target_hf() { python3 -c "from pathlib import Path; from eagle3_ray.engines.targets import gguf_to_hf_dir
+print(gguf_to_hf_dir(Path('$GGUF')))"; }
+
+data() {
+  is_done data && return 0
+  head -n "$N" .gq/train_prompts.jsonl > "$RUN/prompts.jsonl"
+  cli generate -c $CFG --data "$RUN/prompts.jsonl" --out "$RUN/gen" target.model=$GGUF \
+    generate.samples_per_prompt=1 generate.synthetic_prompts=0 || return 1
+  head -n "$MT_N" .gq/mt_bench.jsonl > "$RUN/mt_bench.jsonl"
+  cli generate -c $CFG --data "$RUN/mt_bench.jsonl" --out "$RUN/mtgen" target.model=$GGUF \
+    generate.max_new_tokens=$MT_TOKENS generate.samples_per_prompt=1 generate.synthetic_prompts=0 || return 1
+  python3 benchmarks/long_eval_set.py history --input "$RUN/mt_bench.jsonl" --out "$RUN/mt_fixed.jsonl" \
+    --conversations "$RUN/mtgen/conversations.jsonl" || return 1
+  done_ data
+}
+ours1() {
+  is_done ours1 && return 0
+  timed ours1 cli run -c $CFG --data "$RUN/gen/conversations.jsonl" --out "$RUN/ours1" target.model=$GGUF \
+    generate.samples_per_prompt=1 generate.synthetic_prompts=0 train.epochs=1 --stop-after export || return 1
+  done_ ours1
+}
+bf16() {
+  is_done bf16 && return 0
+  timed bf16 cli extract -c $CFG --data "$RUN/ours1/prepare" --out "$RUN/bf16" target.model=$GGUF \
+    extract.compact=none || return 1
+  done_ bf16
+}
+ours3() {
+  is_done ours3 && return 0
+  timed ours3 cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" --out "$RUN/ours3/train" \
+    target.model=$GGUF train.epochs=3 || return 1
+  cli export --checkpoint "$RUN/ours3/train" --out "$RUN/ours3/drafter" --engine sglang || return 1
+  done_ ours3
+}
+sfin() {
+  is_done sfin && return 0
+  local target=(); [ -f "$GGUF" ] && target=(--target "$(target_hf)")  # the CPU smoke's random target has none
+  python3 benchmarks/peers/specforge_inputs.py --features "$RUN/bf16" --config "$RUN/ours1/config.resolved.yaml" \
+    "${target[@]}" --out "$RUN/sf" --compare "$RUN/ours1/features" || return 1
+  done_ sfin
+}
+sf_run() {  # <name> <epochs> [draft vocab]: SpecForge's training, then its SGLang export
+  local name=$1 epochs=$2 vocab=${3:-}
+  is_done "sf-$name" && return 0
+  ( sf_env
+    python3 benchmarks/peers/specforge_config.py --inputs "$RUN/sf" --name "$name" --epochs "$epochs" \
+      ${vocab:+--draft-vocab $vocab} --out "$RUN/sf/$name" &&
+    timed "sf-$name" python3 -m specforge.cli train -c "$RUN/sf/$name/run.yaml" > "$RUN/sf/$name/train.log" 2>&1 &&
+    python3 -m specforge.cli export --to sglang --checkpoint "$RUN/sf/$name/out" \
+      --draft-config "$RUN/sf/$name/draft_config.json" --output-dir "$RUN/sf/$name/sglang" ) || {
+    echo "[peers] sf-$name failed:"; tail -n 30 "$RUN/sf/$name/train.log"; return 1; }
+  done_ "sf-$name"
+}
+chain() {
+  data && ours1 && bf16 && ours3 && sfin || return 1
+  [ -n "${NO_SPECFORGE:-}" ] && return 0  # the CPU smoke: SpecForge's trainer needs a GPU (FSDP, Triton)
+  while [ ! -f /tmp/sf/.ready ]; do sleep 5; done  # STEP=install, from another call
+  sf_run aligned-1ep 1 16384 || return 1
+  sf_run aligned-3ep 3 16384 > "$RUN/sf-aligned-3ep.out" 2>&1 & local p=$!
+  sf_run default-1ep 1 > "$RUN/sf-default-1ep.out" 2>&1
+  wait $p; cat "$RUN/sf-aligned-3ep.out" "$RUN/sf-default-1ep.out"
+  done_ chain
+}
+tau() {
+  local args=() d
+  local labels=${LABELS:-ours1:ours1/drafter ours3:ours3/drafter sf-aligned-1ep:sf/aligned-1ep/sglang
+    sf-aligned-3ep:sf/aligned-3ep/sglang sf-default-1ep:sf/default-1ep/sglang}
+  [ "${TAU_RECIPE:-}" ] && labels="sf-aligned-1ep:sf/aligned-1ep/sglang $(cd "$RUN" && for d in recipe/*/drafter; do
+    n=${d#recipe/}; printf 'recipe-%s:%s ' "${n%/drafter}" "$d"; done)"
+  for d in $labels; do
+    [ -f "$RUN/${d#*:}/config.json" ] && args+=(--drafter "${d%%:*}=$RUN/${d#*:}")
+  done
+  timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
+    "${args[@]}" --out "$RUN/${TAU_OUT:-tau}" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
+    target.sglang.mem_fraction_static=0.12 bench.max_new_tokens=1024 bench.max_prompts=80 \
+    "bench.concurrency=[$CONCURRENCY]"
+}
+recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: name:override,override ...), each
+  # exported; then their SGLang tau beside SpecForge's 1-epoch drafter on the same turns (tau step, LABELS)
+  local v name over
+  for v in ${VARIANTS:-ratio: steps100:train.warmup_steps=100,train.warmup_ratio=null b4k:train.batch_tokens=4096 b2k:train.batch_tokens=2048}; do
+    name=${v%%:*}; over=${v#*:}
+    is_done "recipe-$name" && continue
+    timed "recipe-$name" cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" \
+      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${over//,/ } || return 1
+    cli export --checkpoint "$RUN/recipe/$name/train" --out "$RUN/recipe/$name/drafter" --engine sglang || return 1
+    done_ "recipe-$name"
+  done
+}
+collect() {
+  (cd "$RUN" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.yaml' -o -name '*.out' \
+     -o -name '*.done' -o -name '*peak_mib' -o -name 'events.out.tfevents*' \) -size -8M \
+     ! -name 'conversations*' ! -name 'prompts.jsonl' ! -path './repo/*' ! -path '*/features/*' ! -path './bf16/*' \
+     ! -path './sf/train/*' ! -path './sf/eval/*' ! -path '*/checkpoints/*' -print | tar -czf "$OUT/peers.tgz" -T -)
+  [ -f "$RUN/gen/conversations.jsonl" ] && gzip -c "$RUN/gen/conversations.jsonl" > "$OUT/conversations.jsonl.gz"
+  ls -la "$OUT"
+}
+
+case "$STEP" in
+  install) [ -f /tmp/sf/.ready ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+             --target /tmp/sf .sf/*.whl && touch /tmp/sf/.ready; }
+           PYTHONPATH=/tmp/sf:${PYTHONPATH:-} python3 -c "import specforge.cli, specforge.training.assembly; print('specforge ok')" ;;
+  start) mkdir -p "$RUN/repo" && cp -r benchmarks configs eagle3_ray pyproject.toml .gq "$RUN/repo/" || exit 1
+         cd "$RUN/repo" || exit 1
+         (STEP=chain setsid nohup bash benchmarks/peers/specforge.sh > "$RUN/chain.log" 2>&1 < /dev/null &)
+         sleep 5; echo "[peers] chain started (log $RUN/chain.log)"; cat "$RUN/chain.log" ;;
+  chain) export PYTHONPATH=$PWD:${PYTHONPATH:-}; chain; echo "[peers] chain rc $?" ;;
+  tau) cd "$RUN/repo" 2>/dev/null || true; tau ;;
+  recipe) cd "$RUN/repo" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && recipe ;;
+  wait) t0=$(date +%s); while [ ! -f "$RUN/${WAIT_FOR:?}" ] && [ $(( $(date +%s) - t0 )) -lt "$BUDGET" ]; do sleep 5; done
+        tail -n 25 "$RUN/chain.log" ;;
+  collect) collect ;;
+  *) echo "unknown STEP $STEP" >&2; exit 2 ;;
+esac
