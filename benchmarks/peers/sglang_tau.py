@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", help="a prompt set whose records carry their fixed answers")
     ap.add_argument("--drafter", action="append", default=[], help="label=exported drafter directory")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--modes-at-once", action="store_true", help="start every mode's engines together")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--drafter-dir", help=argparse.SUPPRESS)
@@ -152,20 +153,25 @@ def main(argv=None) -> int:
     (out / "turns.json").write_text(json.dumps(turns))
     drafters = dict(d.split("=", 1) for d in a.drafter)
     results: dict[str, dict[str, dict]] = {label: {} for label in drafters}
-    for mode in cfg.bench.modes:
+    # Each mode's engines at once; with --modes-at-once every mode's too (tau does not depend on what else runs)
+    waves = [list(cfg.bench.modes)] if a.modes_at_once else [[m] for m in cfg.bench.modes]
+    for wave in waves:
         procs = {}
-        for label, d in drafters.items():
-            result = out / f"{label}-{mode}.json"
-            if result.exists():
-                continue
-            cmd = [sys.executable, __file__, "--child", "-c", a.config, "--out", str(out), "--mode", mode,
-                   "--drafter-dir", d, "--turns", str(out / "turns.json"), "--result", str(result), *a.overrides]
-            log = open(out / f"{label}-{mode}.log", "w")
-            procs[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        failed = [label for label, p in procs.items() if p.wait() != 0]
+        for mode in wave:
+            for label, d in drafters.items():
+                result = out / f"{label}-{mode}.json"
+                if result.exists():
+                    continue
+                cmd = [sys.executable, __file__, "--child", "-c", a.config, "--out", str(out), "--mode", mode,
+                       "--drafter-dir", d, "--turns", str(out / "turns.json"), "--result", str(result),
+                       *a.overrides]
+                log = open(out / f"{label}-{mode}.log", "w")
+                procs[f"{label}-{mode}"] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        failed = [name for name, p in procs.items() if p.wait() != 0]
         if failed:
-            print(f"[sglang_tau] {mode}: failed for {failed} (see {out}/<label>-{mode}.log)", flush=True)
-        for label in drafters:
+            print(f"[sglang_tau] failed: {failed} (see {out}/<name>.log)", flush=True)
+    for label in drafters:
+        for mode in cfg.bench.modes:
             f = out / f"{label}-{mode}.json"
             if f.exists():
                 results[label][mode] = json.loads(f.read_text())

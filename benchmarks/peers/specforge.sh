@@ -16,6 +16,9 @@
 #             sf-aligned-1ep: `specforge train` (its offline example's recipe; draft vocabulary 16,384 as ours)
 #               alone on the GPU, timed, GPU memory sampled; `specforge export --to sglang`
 #             then, at once (speeds not figures): sf-aligned-3ep and sf-default-1ep (its 32,000 vocabulary)
+#             SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1": those SpecForge runs at once, beside ours3 and `recipe`
+#             (tau, not speeds); TAU_IN_CHAIN=1: then `tau` of every drafter, recipe variants included
+#             FROM_RECORD=1: data is the record's committed conversations and fixed history (no generation)
 #   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree; TAU_RECIPE=1 TAU_OUT=tau-recipe:
 #             the recipe variants' drafters beside SpecForge's 1-epoch one
 #   recipe    one epoch of ours per recipe variant (VARIANTS) on ours1's store: why SpecForge won at 1 epoch
@@ -23,6 +26,10 @@
 #   collect   results -> $OUT (one archive: logs, markers, metrics, inputs.json, tau.json, SpecForge's events)
 # Environment: `source benchmarks/device/session.sh env` first (PYTHONPATH, the GGUF).
 #   STEP=start N=4000 bash benchmarks/peers/specforge.sh
+# The second run (tau of the adopted recipe, chain and tree, in one chain; MEM_FRACTION per SGLang engine):
+#   STEP=start FROM_RECORD=1 SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1" TAU_IN_CHAIN=1 MODES_AT_ONCE=1 \
+#     MEM_FRACTION=0.05 VARIANTS="steps100:train.warmup_steps=100,train.warmup_ratio=null b4k:train.batch_tokens=4096" \
+#     bash benchmarks/peers/specforge.sh
 set -uo pipefail
 : "${STEP:?STEP=install|start|chain|recipe|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
 : "${OUT:=$RUN/out}" "${GGUF:=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}" "${CONCURRENCY:=8}" "${MT_N:=80}" "${MT_TOKENS:=1024}"
@@ -40,6 +47,11 @@ print(gguf_to_hf_dir(Path('$GGUF')))"; }
 
 data() {
   is_done data && return 0
+  if [ -n "${FROM_RECORD:-}" ]; then  # the record's own conversations and fixed history (generated once, 2026-12-07)
+    mkdir -p "$RUN/gen" && gunzip -c benchmarks/results/specforge_smollm2_conversations.jsonl.gz > "$RUN/gen/conversations.jsonl" &&
+      gunzip -c benchmarks/results/specforge_smollm2_mt_fixed.jsonl.gz > "$RUN/mt_fixed.jsonl" && done_ data
+    return
+  fi
   head -n "$N" .gq/train_prompts.jsonl > "$RUN/prompts.jsonl"
   cli generate -c $CFG --data "$RUN/prompts.jsonl" --out "$RUN/gen" target.model=$GGUF \
     generate.samples_per_prompt=1 generate.synthetic_prompts=0 || return 1
@@ -89,27 +101,39 @@ sf_run() {  # <name> <epochs> [draft vocab]: SpecForge's training, then its SGLa
   done_ "sf-$name"
 }
 chain() {
-  data && ours1 && bf16 && ours3 && sfin || return 1
+  data && ours1 && bf16 && sfin || return 1
   [ -n "${NO_SPECFORGE:-}" ] && return 0  # the CPU smoke: SpecForge's trainer needs a GPU (FSDP, Triton)
   while [ ! -f /tmp/sf/.ready ]; do sleep 5; done  # STEP=install, from another call
-  sf_run aligned-1ep 1 16384 || return 1
-  sf_run aligned-3ep 3 16384 > "$RUN/sf-aligned-3ep.out" 2>&1 & local p=$!
-  sf_run default-1ep 1 > "$RUN/sf-default-1ep.out" 2>&1
-  wait $p; cat "$RUN/sf-aligned-3ep.out" "$RUN/sf-default-1ep.out"
+  if [ -z "${SF_AT_ONCE:-}" ]; then  # the first run (2026-12-07, H100): SpecForge alone on the GPU, timed
+    sf_run aligned-1ep 1 16384 || return 1
+    sf_run aligned-3ep 3 16384 > "$RUN/sf-aligned-3ep.out" 2>&1 & local p=$!
+    sf_run default-1ep 1 > "$RUN/sf-default-1ep.out" 2>&1
+    wait $p; cat "$RUN/sf-aligned-3ep.out" "$RUN/sf-default-1ep.out"
+  else  # SF_AT_ONCE="name:epochs[:vocab] ...": SpecForge's runs beside ours3 and the recipe variants (tau, not speeds)
+    local r name ep voc pids=()
+    for r in $SF_AT_ONCE; do IFS=: read -r name ep voc <<< "$r"
+      sf_run "$name" "$ep" "$voc" > "$RUN/sf-$name.out" 2>&1 & pids+=($!); done
+    ours3 && recipe || return 1
+    wait "${pids[@]}"; cat "$RUN"/sf-*.out
+  fi
   done_ chain
+  [ -z "${TAU_IN_CHAIN:-}" ] && return 0  # then every drafter's SGLang tau, once SGLang is installed (sgl3)
+  while [ ! -f /tmp/sgl/.ready ]; do sleep 5; done
+  export PYTHONPATH=/tmp/sgl:$PYTHONPATH SGLANG_IS_FLASHINFER_AVAILABLE=false
+  TAU_RECIPE=1 tau && done_ tau
 }
 tau() {
   local args=() d
   local labels=${LABELS:-ours1:ours1/drafter ours3:ours3/drafter sf-aligned-1ep:sf/aligned-1ep/sglang
     sf-aligned-3ep:sf/aligned-3ep/sglang sf-default-1ep:sf/default-1ep/sglang}
-  [ "${TAU_RECIPE:-}" ] && labels="sf-aligned-1ep:sf/aligned-1ep/sglang $(cd "$RUN" && for d in recipe/*/drafter; do
+  [ "${TAU_RECIPE:-}" ] && labels="$labels $(cd "$RUN" && for d in recipe/*/drafter; do
     n=${d#recipe/}; printf 'recipe-%s:%s ' "${n%/drafter}" "$d"; done)"
   for d in $labels; do
     [ -f "$RUN/${d#*:}/config.json" ] && args+=(--drafter "${d%%:*}=$RUN/${d#*:}")
   done
-  timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
+  timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py ${MODES_AT_ONCE:+--modes-at-once} -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
     "${args[@]}" --out "$RUN/${TAU_OUT:-tau}" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
-    target.sglang.mem_fraction_static=0.12 bench.max_new_tokens=1024 bench.max_prompts=80 \
+    target.sglang.mem_fraction_static=${MEM_FRACTION:-0.12} bench.max_new_tokens=1024 bench.max_prompts=80 \
     "bench.concurrency=[$CONCURRENCY]"
 }
 recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: name:override,override ...), each
@@ -137,7 +161,8 @@ case "$STEP" in
   install) [ -f /tmp/sf/.ready ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
              --target /tmp/sf .sf/*.whl && touch /tmp/sf/.ready; }
            PYTHONPATH=/tmp/sf:${PYTHONPATH:-} python3 -c "import specforge.cli, specforge.training.assembly; print('specforge ok')" ;;
-  start) mkdir -p "$RUN/repo" && cp -r benchmarks configs eagle3_ray pyproject.toml .gq "$RUN/repo/" || exit 1
+  start) mkdir -p "$RUN/repo" && cp -r benchmarks configs eagle3_ray pyproject.toml "$RUN/repo/" || exit 1
+         [ -d .gq ] && cp -r .gq "$RUN/repo/"
          cd "$RUN/repo" || exit 1
          (STEP=chain setsid nohup bash benchmarks/peers/specforge.sh > "$RUN/chain.log" 2>&1 < /dev/null &)
          sleep 5; echo "[peers] chain started (log $RUN/chain.log)"; cat "$RUN/chain.log" ;;
