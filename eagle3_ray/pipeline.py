@@ -57,8 +57,10 @@ STAGE_DEPS = {
 # Options that change how a stage runs, never what it writes: out of the hashes, so that setting
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
 # The long-sample memory options too: the same loss and gradients, only what the backward recomputes.
+# generate.answers: answers taken from an earlier run only where its settings are this run's (the same text);
+# bench.reference: a sentence of the report citing another record, not what the bench measures.
 UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps"),
-            "target": ("sglang.max_concurrent_calls",)}
+            "target": ("sglang.max_concurrent_calls",), "generate": ("answers",), "bench": ("reference",)}
 
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
