@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from eagle3_ray import metrics as dashboard
 from eagle3_ray.atomic import write_json
-from eagle3_ray.bench.report import REPORT_NAME
+from eagle3_ray.bench.report import REPORT_NAME, lead
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
 from eagle3_ray.data.sources import Sample, input_paths, inputs_fingerprint, read_samples
@@ -260,6 +260,7 @@ def _run_stages(cfg: PipelineConfig, data: str | None, out: Path, stages: StageR
 def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
     untrained = results.get("untrained") or {}
     return {
+        "lead": lead(results),  # the report's first words (markdown)
         "tau": results.get("tau", {}),
         "speedup": results.get("speedup", {}),
         "tokens_per_s": results.get("tokens_per_s", {}),
@@ -271,7 +272,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     tau = ", ".join(f"{m} {v:.2f}" for m, v in (s.get("tau") or {}).items())
     speed = ", ".join(f"{m} {v:.2f}x" for m, v in (s.get("speedup") or {}).items())
     say("\n=== eagle3-ray run: done in %.0fs ===" % s["seconds"])
-    say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
+    if s.get("lead"):
+        say("  " + s["lead"].replace("**", "").replace("`", ""))
+    untrained = s.get("untrained_tau")
+    say(f"  acceptance length tau: {tau}" + (f"   (untrained drafter: {untrained})" if untrained is not None else ""))
     say(f"  speedup over plain generation: {speed}")
     say(f"  drafter (SGLang layout): {s['drafter']}")
     say(f"  report: {s['report']}")

@@ -52,6 +52,7 @@ def test_run_writes_drafter_results_and_report_then_resumes(ci_tiny_run, ray_loc
     # One report, written by the bench stage, with the training section from metrics.jsonl.
     report = (out / "bench" / "report.md").read_text()
     assert summary["report"] == str(out / "bench" / "report.md") and "training" in report.lower()
+    assert report.splitlines()[2] == summary["lead"] and summary["lead"].startswith(("**Use ", "**No mode beats"))
     assert not (out / "report.md").exists()
     assert (out / "config.resolved.yaml").is_file()
     for stage in STAGES:
