@@ -279,9 +279,9 @@ def reuse_answers(source: str, settings: dict[str, Any], samples: list[Sample], 
                   regenerate_after_tools: bool, parts: list[Path]) -> int:
     """Writes the earlier answers of ``source`` (``generate.answers``) that this run would write into
     the part file of the actor that would write them (``samples[i]`` -> ``parts[i % len(parts)]``),
-    unless it holds them already; returns how many it wrote. None when ``source`` was written under
-    other ``answer_settings`` than ``settings`` (the stage says which); a ``ConfigError`` when no meta
-    says how it was written."""
+    unless it holds them already; returns how many it wrote. It writes nothing when ``source`` was
+    written under other ``answer_settings`` than ``settings`` (the stage says which differ), and
+    raises ``ConfigError`` when no meta says how it was written."""
     from eagle3_ray.data.distill import append_records, needs_answers, written_ids
     from eagle3_ray.data.sources import read_samples
 
