@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from eagle3_ray import metrics as dashboard
 from eagle3_ray.atomic import write_json
-from eagle3_ray.bench.report import REPORT_NAME
+from eagle3_ray.bench.report import REPORT_NAME, lead
 from eagle3_ray.bench.runner import RESULTS_NAME, run_bench
 from eagle3_ray.config import PipelineConfig, config_to_dict, save_resolved
 from eagle3_ray.data.sources import Sample, input_paths, inputs_fingerprint, read_samples
@@ -58,8 +58,10 @@ STAGE_DEPS = {
 # them (or their arrival in a new version) does not redo finished stages. Dotted: a nested section's key.
 # The long-sample memory options too: the same loss and gradients, only what the backward recomputes;
 # and the experiment trackers, which get the metrics that metrics.jsonl gets.
+# generate.answers: answers taken from an earlier run only where its settings are this run's (the same text);
+# bench.reference: a sentence of the report citing another record, not what the bench measures.
 UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_steps", "trackers", "tracking"),
-            "target": ("sglang.max_concurrent_calls",)}
+            "target": ("sglang.max_concurrent_calls",), "generate": ("answers",), "bench": ("reference",)}
 
 
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
@@ -270,6 +272,7 @@ def _best_checkpoint(train: Path) -> dict[str, Any] | None:
 def _bench_summary(results: dict[str, Any]) -> dict[str, Any]:
     untrained = results.get("untrained") or {}
     return {
+        "lead": lead(results),  # the report's first words (markdown)
         "tau": results.get("tau", {}),
         "speedup": results.get("speedup", {}),
         "tokens_per_s": results.get("tokens_per_s", {}),
@@ -281,7 +284,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     tau = ", ".join(f"{m} {v:.2f}" for m, v in (s.get("tau") or {}).items())
     speed = ", ".join(f"{m} {v:.2f}x" for m, v in (s.get("speedup") or {}).items())
     say("\n=== eagle3-ray run: done in %.0fs ===" % s["seconds"])
-    say(f"  acceptance length tau: {tau}   (untrained drafter: {s.get('untrained_tau')})")
+    if s.get("lead"):
+        say("  " + s["lead"].replace("**", "").replace("`", ""))
+    untrained = s.get("untrained_tau")
+    say(f"  acceptance length tau: {tau}" + (f"   (untrained drafter: {untrained})" if untrained is not None else ""))
     say(f"  speedup over plain generation: {speed}")
     say(f"  drafter (SGLang layout): {s['drafter']}")
     if s.get("best_checkpoint"):

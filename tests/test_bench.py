@@ -10,7 +10,7 @@ import torch
 from eagle3_ray.bench.audit import TIE_ULPS, audit_turn, first_difference, ulp
 from eagle3_ray.bench.prompts import load_prompt_sets
 from eagle3_ray.bench.plots import ACCEPT_PLOT, TAU_PLOT, THROUGHPUT_PLOT, TRAINING_PLOT
-from eagle3_ray.bench.report import REPORT_NAME, headline, read_train_metrics, write_report
+from eagle3_ray.bench.report import REPORT_NAME, headline, lead, read_train_metrics, reference_sentence, write_report
 from eagle3_ray.bench.runner import (
     PARTIAL_DIR,
     RESULTS_NAME,
@@ -20,7 +20,7 @@ from eagle3_ray.bench.runner import (
     summarize,
 )
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig
-from eagle3_ray.errors import DataError
+from eagle3_ray.errors import ConfigError, DataError
 
 TINY_TARGET = TargetConfig(model="random:builtin:tiny-llama", device="cpu", dtype="float32")
 TINY_BENCH = {"max_new_tokens": 6, "num_steps": 3, "topk": 2, "depth": 3, "total_tokens": 6}
@@ -162,6 +162,38 @@ def test_headline_states_a_slowdown_first():
         "**Faster than CUDA-graphed plain decoding on `cpu`: chain 1.50x, tree 2.00x**")
 
 
+def test_lead_names_the_fastest_mode_or_says_none_beats_plain_decoding():
+    results = {"tau": {"chain": 1.7, "tree": 2.1}, "speedup": {"chain": 1.12, "tree": 0.95}, "device": "cpu",
+               "num_turns": 16, "modes": {"chain": {"identical_to_baseline": 1.0}},
+               "config": {"bench": {"num_steps": 3, "max_new_tokens": 128}}}
+    assert lead(results) == ("**Use chain (K=3) here: tau 1.70, 1.12x plain decoding on `cpu`** (16 turns of up to "
+                             "128 new tokens; 100% of its outputs equal plain decoding's).")
+    results["speedup"] = {"chain": 0.76, "tree": 0.81}
+    slower = lead(results)
+    assert slower.startswith("**No mode beats plain decoding on `cpu`; the fastest, tree") and "0.81x" in slower
+    assert lead({"device": "cpu"}) == ""
+
+
+def test_the_reports_opening_cites_the_reference_record_with_its_own_figures(tmp_path):
+    record = tmp_path / "records" / "gpu_run.json"
+    record.parent.mkdir()
+    record.write_text(json.dumps({"values": {"tau_chain": 3.064, "tokens": 67307775}, "machine": "1x H100",
+                                  "date": "2026-12-06"}))
+    reference = {"record": str(record), "text": "On a GPU: tau {tau_chain:.2f} after {tokens:,} tokens ({machine})"}
+    results = {"tau": {"chain": 1.7}, "speedup": {"chain": 1.12}, "tokens_per_s": {"chain": 28.0}, "device": "cpu",
+               "num_turns": 4, "baseline": {"tokens_per_s": 25.0},
+               "config": {"bench": {"num_steps": 3, "max_new_tokens": 64, "reference": reference}}}
+    lines = write_report(results, tmp_path / "run" / "bench").read_text().splitlines()
+    assert lines[2].startswith("**Use chain (K=3) here: tau 1.70, 1.12x plain decoding on `cpu`**")
+    assert lines[2].endswith(" On a GPU: tau 3.06 after 67,307,775 tokens (1x H100) "
+                             "([gpu_run](../../records/gpu_run.json)).")
+    assert lines[4] == headline(results)
+    with pytest.raises(ConfigError, match=r"'tau_tree'.*tau_chain, tokens"):
+        reference_sentence({**reference, "text": "{tau_tree}"}, tmp_path)
+    with pytest.raises(ConfigError, match="bench.reference=null"):
+        reference_sentence({**reference, "record": str(tmp_path / "missing.json")}, tmp_path)
+
+
 # --- report ------------------------------------------------------------------------------------------
 
 
@@ -248,7 +280,8 @@ def test_bench_actor_in_process_and_report(drafter_dir, prompt_file, tmp_path):
     assert not (tmp_path / "report" / TRAINING_PLOT).exists()
     assert "Trained vs untrained" in text and "| writing |" in text
     assert "## Where the time goes" in text and "0 turns of the speculative modes differ" in text
-    assert text.splitlines()[2].startswith(("**Slower than plain decoding", "**Faster than plain decoding"))
+    assert text.splitlines()[2].startswith(("**Use ", "**No mode beats plain decoding"))  # the lead
+    assert text.splitlines()[4].startswith(("**Slower than plain decoding", "**Faster than plain decoding"))
 
 
 def test_the_audit_of_a_differing_turn(drafter_dir, monkeypatch):

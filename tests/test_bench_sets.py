@@ -299,7 +299,8 @@ def test_report_has_a_per_set_table_and_names_the_first_sets_tau(tmp_path):
     assert "| mt | 3 | 3.00 | 2.00x |" in text and "| gsm8k | 1 | 1.50 | 0.50x |" in text
     assert "| mt/writing |" in text
     assert "- prompts: `mt.jsonl`, `gsm8k_test.jsonl` (name gsm8k, max_prompts 20), 4 prompts, 4 turns" in text
-    line = text.splitlines()[2]
+    assert text.splitlines()[2].startswith("**Use chain here: tau 2.25, 1.25x")  # the lead: the fastest mode
+    line = text.splitlines()[4]
     assert line == headline(results)
     assert line.startswith("**Faster than plain decoding on `cpu`: chain 1.25x**")  # the overall figure
     assert line.endswith("**tau on mt** (first of 2 prompt sets): chain 3.00.")

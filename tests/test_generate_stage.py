@@ -360,3 +360,59 @@ def test_a_rerun_over_a_prompt_edited_under_its_id_refuses_to_resume_its_old_ans
     with pytest.raises(ConfigError, match=rf"input.sha256='{first}' then, '[0-9a-f]{{64}}' now.*delete "):
         run_generate(cfg, str(data), out)
     assert json.loads((out / ANSWERS_META).read_text())["input.sha256"] == first
+
+
+def test_answers_written_earlier_are_taken_where_the_settings_and_the_prompt_match(ray_local, tmp_path):
+    """generate.answers: an earlier run's answers are taken for the prompts they answer (the record
+    whose messages are the prompt's); an edited or a new prompt is answered here; other answer
+    settings take none; a run whose every answer is taken starts no engine actor."""
+    from eagle3_ray.config import load_config
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.extract.generate_stage import ANSWERS_META, CONVERSATIONS_FILE, run_generate
+
+    data = tmp_path / "prompts.jsonl"
+    prompts = [{"id": "a", "turns": ["Name a color."]}, {"id": "b", "turns": ["Hi?"]},
+               {"id": "two", "turns": ["Name a prime.", "Another one?"]}]
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    cfg = load_config("configs/ci-tiny.yaml", ["generate.max_new_tokens=4"])
+    earlier = run_generate(cfg, str(data), tmp_path / "earlier")
+    # Mark the earlier answers, so that an answer taken reads apart from one written again.
+    records = [json.loads(line) for line in earlier.read_text().splitlines()]
+    for r in records:
+        for m in r["conversations"]:
+            if m["role"] == "assistant":
+                m["content"] = "EARLIER " + m["content"]
+    earlier.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    edited = [prompts[0], {"id": "b", "turns": ["Hello?"]}, prompts[2], {"id": "c", "turns": ["Why?"]}]
+    data.write_text("".join(json.dumps(p) + "\n" for p in edited))
+    taking = load_config("configs/ci-tiny.yaml", ["generate.max_new_tokens=4", f"generate.answers={earlier}"])
+    joined = run_generate(taking, str(data), tmp_path / "now")
+    answers = {r["id"]: [m["content"] for m in r["conversations"] if m["role"] == "assistant"]
+               for r in map(json.loads, joined.read_text().splitlines())}
+    assert [a.startswith("EARLIER ") for a in answers["a"] + answers["two"]] == [True] * 3
+    assert not any(a.startswith("EARLIER ") for a in answers["b"] + answers["c"])  # edited, new: answered here
+    assert json.loads((tmp_path / "now" / "summary.json").read_text())["answers_taken"] == 2
+
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    everything = run_generate(taking, str(data), tmp_path / "all")
+    summary = json.loads((tmp_path / "all" / "summary.json").read_text())
+    assert summary["answers_taken"] == 3 and summary["parts"][0]["seconds"] == 0.0  # no actor was started
+    assert everything.read_text() == earlier.read_text()
+
+    longer = load_config("configs/ci-tiny.yaml", ["generate.max_new_tokens=5", f"generate.answers={earlier.parent}"])
+    run_generate(longer, str(data), tmp_path / "longer")
+    assert json.loads((tmp_path / "longer" / "summary.json").read_text())["answers_taken"] == 0
+
+    # The dtype the answers were written in: an earlier "auto" as this CPU run resolves it (fp32, as
+    # ci-tiny's float32); answers written in bf16 (a GPU's auto) are not this run's.
+    meta = json.loads((earlier.parent / ANSWERS_META).read_text())
+    for dtype, taken in (("auto", 3), ("bfloat16", 0)):
+        (earlier.parent / ANSWERS_META).write_text(json.dumps({**meta, "target.dtype": dtype}))
+        run_generate(taking, str(data), tmp_path / dtype)
+        assert json.loads((tmp_path / dtype / "summary.json").read_text())["answers_taken"] == taken
+
+    (earlier.parent / ANSWERS_META).unlink()
+    with pytest.raises(ConfigError, match="answers_meta.json is missing.*as --data"):
+        run_generate(taking, str(data), tmp_path / "no-meta")
+    assert CONVERSATIONS_FILE == earlier.name

@@ -29,3 +29,28 @@ def test_smollm2_h200_is_a_one_gpu_run():
         assert need <= cfg.ray.num_cpus
     assert cfg.data.path is None  # the training prompts are the user's: passed with --data
     assert cfg.train.lr == 1e-3  # the measured choice for a SmolLM2-sized drafter (docs/drafter.md)
+
+
+def test_the_demo_takes_its_shipped_answers_and_cites_its_gpu_record(tmp_path):
+    """The demo's generate stage takes the shipped answers only while its answer settings are theirs: a
+    preset edit that changes an answer (length, target, seed, ...) needs the answers written again with
+    the command their meta names. Its report's opening cites the GPU record with that record's figures."""
+    import json
+
+    from eagle3_ray.bench.report import reference_sentence
+    from eagle3_ray.config import config_to_dict
+    from eagle3_ray.data.sources import read_samples
+    from eagle3_ray.extract.generate_stage import answer_settings, answers_files, answers_of, loaded_dtype
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo-smollm2.yaml")
+    answers, meta_file = answers_files(cfg.generate.answers)
+    meta = json.loads(meta_file.read_text())
+    settings = {**answer_settings(cfg), "target.dtype": loaded_dtype(cfg)}
+    assert {k: meta.get(k) for k in settings} == settings, f"re-run the command of {meta_file}: {meta['command']}"
+    prompts = list(read_samples(cfg.data.path))
+    earlier = {s.sample_id: s for s in read_samples(str(answers))}
+    assert all(answers_of(p, earlier[p.sample_id]) for p in prompts) and len(earlier) == len(prompts) == 300
+
+    text = reference_sentence(config_to_dict(cfg)["bench"]["reference"], tmp_path)
+    record = json.loads((Path(__file__).resolve().parents[1] / cfg.bench.reference.record).read_text())
+    assert f"tau {record['values']['tau_chain3_mtbench']:.2f}" in text and "[product8](" in text

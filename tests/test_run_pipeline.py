@@ -52,6 +52,7 @@ def test_run_writes_drafter_results_and_report_then_resumes(ci_tiny_run, ray_loc
     # One report, written by the bench stage, with the training section from metrics.jsonl.
     report = (out / "bench" / "report.md").read_text()
     assert summary["report"] == str(out / "bench" / "report.md") and "training" in report.lower()
+    assert report.splitlines()[2] == summary["lead"] and summary["lead"].startswith(("**Use ", "**No mode beats"))
     assert not (out / "report.md").exists()
     assert (out / "config.resolved.yaml").is_file()
     for stage in STAGES:
@@ -139,6 +140,8 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["trackers"], full["train"]["tracking"]  # where metrics go, not what a stage writes: never hashed
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
+    del full["generate"]["answers"]  # how the stage gets its answers, not what they say: never hashed
+    del full["bench"]["reference"]  # a sentence of the report citing another record: never hashed
     for stage, deps in STAGE_DEPS.items():  # the formula before the option, on the config without it
         old = hashlib.sha256(json.dumps({**{k: full[k] for k in deps}, "_data": "d"}, sort_keys=True)
                              .encode()).hexdigest()[:16]
@@ -164,9 +167,12 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     assert _stage_hash(load_config("configs/ci-tiny.yaml", ["target.sglang.max_concurrent_calls=1"]), "bench", "d") == \
         _stage_hash(cfg, "bench", "d")
     tracked = load_config("configs/ci-tiny.yaml", ["train.trackers=[tensorboard,wandb]", "train.tracking.project=p"])
+    taking = load_config("configs/ci-tiny.yaml", ["generate.answers=builtin:demo_answers",
+                                                  "bench.reference={record: r.json, text: t}"])
     latest = load_config("configs/ci-tiny.yaml", ["train.keep_best=none"])
     for stage in STAGE_DEPS:
         assert _stage_hash(tracked, stage, "d") == _stage_hash(cfg, stage, "d"), stage
+        assert _stage_hash(taking, stage, "d") == _stage_hash(cfg, stage, "d"), stage
         # another checkpoint kept and exported: training and what follows it are redone
         assert (_stage_hash(latest, stage, "d") == _stage_hash(cfg, stage, "d")) == (stage not in
                                                                                      ("train", "export", "bench"))

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+import eagle3_ray
 
 from eagle3_ray.atomic import write_text
 from eagle3_ray.bench.plots import ACCEPT_PLOT, TAU_PLOT, THROUGHPUT_PLOT, TRAINING_PLOT, write_plots
@@ -18,7 +21,7 @@ from eagle3_ray.bench.report_format import (
     train_tokens,
 )
 from eagle3_ray.bench.sglang_report import sglang_section
-from eagle3_ray.errors import DataError
+from eagle3_ray.errors import ConfigError, DataError
 
 REPORT_NAME = "report.md"
 
@@ -29,7 +32,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, train_metrics_pat
     out.mkdir(parents=True, exist_ok=True)
     training = read_train_metrics(train_metrics_path) if train_metrics_path else []
     sections = [
-        _header(results),
+        _header(results, out),
         _summary_section(results),
         sglang_section(results),
         _parts_section(results),
@@ -92,6 +95,52 @@ def headline(results: dict[str, Any]) -> str:
     return ". ".join(parts) + f" (tokens/s over plain decoding of the same turns{at})." + _first_set_tau(results)
 
 
+def lead(results: dict[str, Any]) -> str:
+    """The report's first words: the fastest mode on this machine (the one to use here), its tau and
+    speedup over plain decoding, and its share of outputs equal to plain decoding's; said as a loss
+    when no mode beats plain decoding."""
+    speedups = {k: v for k, v in (results.get("speedup") or {}).items() if v is not None}
+    if not speedups:
+        return ""
+    best = max(speedups, key=speedups.get)
+    b = (results.get("config") or {}).get("bench") or {}
+    figures = f"tau {number((results.get('tau') or {}).get(best))}, {speedups[best]:.2f}x plain decoding on `{results.get('device')}`"
+    if speedups[best] >= 1.0:
+        first = f"**Use {kind_label(results, best)} here: {figures}**"
+    else:
+        first = f"**No mode beats plain decoding on `{results.get('device')}`; the fastest, {kind_label(results, best)}: {figures}**"
+    same = ((results.get("modes") or {}).get(best) or {}).get("identical_to_baseline")
+    length = f" of up to {b['max_new_tokens']} new tokens" if b.get("max_new_tokens") else ""
+    return (first + f" ({results.get('num_turns', '?')} turns{length}"
+            + (f"; {same:.0%} of its outputs equal plain decoding's" if same is not None else "") + ").")
+
+
+def reference_record(path: str) -> Path:
+    """``bench.reference.record``: relative to the working directory, else to the repository the
+    package runs from (a checkout's benchmarks/results/); ``ConfigError`` when neither holds it."""
+    here = Path(path).expanduser()
+    for candidate in (here, Path(eagle3_ray.__file__).resolve().parents[1] / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(f"bench.reference.record={path!r} does not exist (here or in the repository); name a record "
+                      "file such as benchmarks/results/records/product8.json, or set bench.reference=null")
+
+
+def reference_sentence(reference: dict[str, Any], report_dir: str | Path) -> str:
+    """``bench.reference``'s sentence, its ``{key}`` fields filled from the record's values (and its
+    ``machine`` and ``date``), with a link to the record relative to the report's directory."""
+    file = reference_record(reference["record"])
+    record = json.loads(file.read_text(encoding="utf-8"))
+    fields = {**(record.get("values") or {}), "machine": record.get("machine"), "date": record.get("date")}
+    try:
+        text = reference["text"].format(**fields)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"bench.reference.text names {e} which {file} does not give in a usable form; use keys "
+                          f"of its values ({', '.join(sorted(record.get('values') or {}))}), machine or date") from e
+    link = os.path.relpath(file, Path(report_dir).resolve())
+    return f"{text} ([{file.stem}]({link}))."
+
+
 def _first_set_tau(results: dict[str, Any]) -> str:
     """With several prompt sets, the first set's tau per mode (MT-bench's when it is listed first)."""
     per_set = results.get("per_set") or {}
@@ -102,12 +151,16 @@ def _first_set_tau(results: dict[str, Any]) -> str:
     return f" **tau on {name}** (first of {len(per_set)} prompt sets): " + ", ".join(taus) + "."
 
 
-def _header(results: dict[str, Any]) -> str:
+def _header(results: dict[str, Any], report_dir: Path) -> str:
     cfg = results.get("config") or {}
     b = cfg.get("bench") or {}
+    opening = [x for x in [lead(results)] if x]
+    if b.get("reference"):
+        opening.append(reference_sentence(b["reference"], report_dir))
     lines = [
         "# EAGLE-3 speculative decoding benchmark",
         "",
+        *([" ".join(opening), ""] if opening else []),
         headline(results),
         "",
         f"- target: `{results.get('target')}` on `{results.get('device')}`",

@@ -27,7 +27,7 @@ import torch
 from eagle3_ray.atomic import write_json
 from eagle3_ray.bench.audit import audit_turn, bound_text, first_difference
 from eagle3_ray.bench.prompts import Prompt, categories_by_set, load_prompt_sets
-from eagle3_ray.bench.report import write_report
+from eagle3_ray.bench.report import reference_sentence, write_report
 from eagle3_ray.config import BenchConfig, PipelineConfig, TargetConfig, config_to_dict
 from eagle3_ray.errors import engine_start
 from eagle3_ray.progress import say
@@ -387,6 +387,8 @@ def run_bench(
     """
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.bench.reference is not None:  # a wrong record fails now, not after the measurements
+        reference_sentence(config_to_dict(cfg)["bench"]["reference"], out_dir)
     source = prompts or cfg.bench.prompts or DEFAULT_PROMPTS
     sets = load_prompt_sets(source, cfg.bench.max_prompts)
     resolved = config_to_dict(cfg)
@@ -459,7 +461,8 @@ def _partial_key(cfg: PipelineConfig, drafter_dir: str, compare_untrained: bool,
     """Everything that changes a category's numbers: a partial with another key is measured again."""
     weights = Path(drafter_dir) / "model.safetensors"
     stamp = [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None
-    bench = {k: v for k, v in config_to_dict(cfg)["bench"].items() if k not in ("prompts", "max_prompts", "num_gpus")}
+    skip = ("prompts", "max_prompts", "num_gpus", "reference")  # reference: a sentence of the report
+    bench = {k: v for k, v in config_to_dict(cfg)["bench"].items() if k not in skip}
     ident = {
         "bench": bench,
         "target": config_to_dict(cfg)["target"],

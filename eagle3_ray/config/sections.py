@@ -125,6 +125,14 @@ class GenerateConfig(Section):
         "more kinds of the target's answers than a fixed prompt set holds. Written to synthetic.part-*.jsonl "
         "before any is answered, so a resumed run answers the same ones."
     )
+    answers: str | None = Field(
+        None, description="Answers this target wrote earlier, taken instead of written again: the "
+        "conversations.jsonl of an earlier `eagle3-ray generate` (its answers_meta.json beside it) or "
+        "builtin:<name> (shipped with <name>.meta.json). Taken only when they were written under this run's "
+        "answer settings (target, dtype, seeds, system prompt, answer length, temperature, top_p, after_tools: "
+        "the meta) and only for the records whose messages before each answer are this input's; the rest are "
+        "generated. How the stage gets its answers, not what they are: not part of the stage hashes."
+    )
 
 
 class ExtractConfig(Section):
@@ -190,6 +198,15 @@ class PromptSetEntry(Section):
 PROMPT_ENTRY_FORM = "a path, builtin:<name>, or a mapping {path: <file>, max_prompts: <n>, name: <set name>}"
 
 
+class BenchReference(Section):
+    """``bench.reference``: a measured record the report's opening cites beside this run's figures."""
+
+    record: str = Field(description="A result record, e.g. benchmarks/results/records/product8.json (relative to "
+                        "the working directory or to the repository the package runs from).")
+    text: str = Field(description="The sentence, its figures as {key} (with a format spec, {key:.2f}) read from "
+                      "the record's values; also {machine} and {date}.")
+
+
 class BenchConfig(Section):
     prompts: str | PromptSetEntry | list[str | PromptSetEntry] | None = Field(
         None, description="One prompt set or a list of them (MT-bench, GSM8K, HumanEval, Spec-Bench, ...); each "
@@ -236,6 +253,10 @@ class BenchConfig(Section):
     )
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs of the benchmark actor.")
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs of the benchmark actor (its torch threads on CPU).")
+    reference: BenchReference | None = Field(
+        None, description="A record of what the same drafter recipe gives elsewhere (a GPU), {record, text}: the "
+        "report's opening says it after this run's own tau and speedup, its figures read from the record."
+    )
 
     @field_validator("concurrency")
     @classmethod

@@ -273,6 +273,18 @@ def _record(sample: Sample, conv: list[dict], greedy_by: str = "") -> dict:
     return record
 
 
+def append_records(path: Path, lines: list[str]) -> None:
+    """Appends records already in JSON (one line each) to the output ``path``, forced to disk as a
+    batch of answers is (answers written earlier, taken by the generate stage: ``generate.answers``)."""
+    if not lines:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(line.rstrip("\n") + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _append(f, records: list[dict]) -> None:
     """One write per batch, forced to disk, so a stopped run loses at most the batch in flight."""
     f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

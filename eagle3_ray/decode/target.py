@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from eagle3_ray.decode.narrow_linear import narrow_rows
 from eagle3_ray.drafter.model import sdpa_for_growing_keys
 from eagle3_ray.engines.hidden_states import HiddenStateSelection
 from eagle3_ray.engines.static_cache import MASKABLE_ATTENTION, cache_api
@@ -52,7 +53,8 @@ class TargetRunner:
         past = self.length
         if positions is None:
             positions = torch.arange(past, past + ids.shape[0], device=self.device)
-        with sdpa_for_growing_keys(self.device):  # the DynamicCache grows every forward
+        # the DynamicCache grows every forward; a verify's few rows take the narrow linear on a CPU
+        with sdpa_for_growing_keys(self.device), narrow_rows(self.device, ids.shape[0]):
             out = self.model(
                 input_ids=ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),

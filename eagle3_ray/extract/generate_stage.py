@@ -22,6 +22,12 @@ prompt's copies together, copy 0 first. Training holds a prompt's copies out tog
 (data/synthetic.py), actor i its share into ``synthetic.part-<i>.jsonl``, and answer them with their
 input prompts; the join puts them after the input's records, each with its copies.
 
+``generate.answers`` names answers this target wrote earlier (an earlier run's conversations.jsonl
+with its answers_meta.json, or a shipped ``builtin:<name>`` with ``<name>.meta.json``): where that
+meta equals this run's ``answer_settings``, each record whose messages before its answers are an
+input sample's is written into that sample's actor's part file before the actors start, so they
+resume past it (``reuse_answers``); an actor with nothing left to write is not started.
+
 A rerun resumes the part files (``answers_meta.json`` beside them records what decides an answer's
 text: ``answer_settings``, and the input file's sha256). When those settings or the input's content
 changed since the parts were written (another target, temperature, answer length, seed, a prompt
@@ -41,7 +47,7 @@ from typing import Any
 from eagle3_ray.atomic import write_json, write_stream
 from eagle3_ray.config import GenerateConfig, PipelineConfig, TargetConfig, save_resolved
 from eagle3_ray.data.groups import copy_id
-from eagle3_ray.data.sources import Sample
+from eagle3_ray.data.sources import BUILTIN_PREFIX, Sample, resolve_data_path
 from eagle3_ray.data.synthetic import SYNTHETIC_ID, read_synthetic
 from eagle3_ray.errors import ConfigError, DataError
 from eagle3_ray.extract.stage import write_summary
@@ -228,6 +234,15 @@ def answer_settings(cfg: PipelineConfig) -> dict[str, Any]:
     return settings
 
 
+def loaded_dtype(cfg: PipelineConfig) -> str:
+    """The dtype the engine actors load the target in: ``target.dtype``, with auto resolved as on
+    their device (a GPU when they are given one or target.device names one)."""
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype
+    gpu = cfg.extract.num_gpus_per_actor > 0 or cfg.target.device.startswith("cuda")
+    return "bfloat16" if gpu else "float32"
+
+
 def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
     """Before answering into ``out``: ``ConfigError`` when its part files were written under other
     ``answer_settings`` (a rerun resumes them, so it would mix old answers with new ones); then
@@ -245,6 +260,98 @@ def check_answer_settings(out: Path, settings: dict[str, Any]) -> None:
                 "again, use another --out, or set those options back"
             )
     write_json(meta, settings, sort_keys=True)
+
+
+def answers_files(source: str) -> tuple[Path, Path]:
+    """``generate.answers`` -> (its conversations file, the meta that says how they were written):
+    ``builtin:<name>`` -> ``<name>.jsonl`` and ``<name>.meta.json`` shipped beside it; a generate
+    stage's output directory or its conversations.jsonl -> that file and the answers_meta.json beside it."""
+    if source.startswith(BUILTIN_PREFIX):
+        file = resolve_data_path(source)
+        return file, file.with_suffix(".meta.json")
+    path = Path(source).expanduser()
+    file = path / CONVERSATIONS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(f"generate.answers={source!r}: {file} does not exist; pass the conversations.jsonl of an "
+                        "earlier `eagle3-ray generate` (or its --out directory), or generate.answers=null")
+    return file, file.parent / ANSWERS_META
+
+
+def reuse_answers(source: str, settings: dict[str, Any], samples: list[Sample], copies: int,
+                  regenerate_after_tools: bool, parts: list[Path]) -> int:
+    """Writes the earlier answers of ``source`` (``generate.answers``) that this run would write into
+    the part file of the actor that would write them (``samples[i]`` -> ``parts[i % len(parts)]``),
+    unless it holds them already; returns how many it wrote. It writes nothing when ``source`` was
+    written under other ``answer_settings`` than ``settings`` (the stage says which differ), and
+    raises ``ConfigError`` when no meta says how it was written."""
+    from eagle3_ray.data.distill import append_records, needs_answers, written_ids
+    from eagle3_ray.data.sources import read_samples
+
+    file, meta_file = answers_files(source)
+    if not meta_file.is_file():
+        raise ConfigError(
+            f"generate.answers={source!r}: {meta_file} is missing, so nothing says which target and settings "
+            f"wrote {file}; pass the output of `eagle3-ray generate` (answers_meta.json beside conversations.jsonl), "
+            "or give the conversations as --data to train on them as they are"
+        )
+    # Answers recorded before generate.after_tools existed kept every given answer.
+    before = {"generate.after_tools": "keep", **json.loads(meta_file.read_text(encoding="utf-8"))}
+    if before.get("target.dtype") == "auto":  # an earlier run of this machine's: as this run resolves it
+        before["target.dtype"] = settings.get("target.dtype")
+    changed = [f"{k}={before.get(k)!r} then, {v!r} now" for k, v in settings.items() if before.get(k) != v]
+    if changed:
+        say(f"[generate] generate.answers={source}: written under other settings ({'; '.join(changed)}); "
+            "every answer is generated here")
+        return 0
+    lines = {str(json.loads(line).get("id")): line
+             for line in file.read_text(encoding="utf-8").splitlines() if line.strip()}
+    earlier = {s.sample_id: s for s in read_samples(str(file)) if isinstance(s, Sample)}
+    taken = 0
+    for i, part in enumerate(parts):
+        have = written_ids(part)
+        records = []
+        for sample in samples[i :: len(parts)]:
+            if not needs_answers(sample, regenerate_after_tools):
+                continue
+            for copy in range(copies):
+                sid = copy_id(sample.sample_id, copy)
+                if sid not in have and sid in earlier and answers_of(sample, earlier[sid], regenerate_after_tools):
+                    records.append(lines[sid])
+        append_records(part, records)
+        taken += len(records)
+    return taken
+
+
+def answers_of(sample: Sample, earlier: Sample, regenerate_after_tools: bool = False) -> bool:
+    """``earlier`` holds answers to ``sample``: its messages are the sample's, with an assistant
+    turn wherever the target writes one (``answer_script``), and its tools are the sample's."""
+    from eagle3_ray.data.messages import answer_script
+
+    script = answer_script(sample.messages, regenerate_after_tools)
+    return (len(earlier.messages) == len(script) and earlier.tools == sample.tools
+            and all(m["role"] == "assistant" if want is None else m == want
+                    for m, want in zip(earlier.messages, script)))
+
+
+def _nothing_to_write(samples: list[Sample], part: Path, copies: int, regenerate_after_tools: bool) -> bool:
+    """Every record an actor would write for ``samples`` is in its part file already."""
+    from eagle3_ray.data.distill import needs_answers, written_ids
+
+    have = written_ids(part)
+    return all(copy_id(s.sample_id, c) in have
+               for s in samples for c in range(copies if needs_answers(s, regenerate_after_tools) else 1))
+
+
+def _written_earlier(samples: list[Sample], copies: int, regenerate_after_tools: bool) -> dict[str, Any]:
+    """The summary of an actor that was not started: each of its records was in its part file."""
+    from eagle3_ray.data.distill import needs_answers
+
+    answered = sum(needs_answers(s, regenerate_after_tools) for s in samples)
+    per_copy = [{"total": len(samples) if c == 0 else answered, "skipped": len(samples) if c == 0 else answered,
+                 "generated": 0, "passed_through": 0, "empty_answers": 0, "new_tokens": 0, "seconds": 0.0}
+                for c in range(copies)]
+    out = {k: sum(c[k] for c in per_copy) for k in per_copy[0]}
+    return {**out, "per_copy": per_copy, "rejected": [], "synthetic": 0}
 
 
 def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path:
@@ -272,23 +379,35 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     append_rejects(out, rejects)
 
     n = max(1, min(cfg.extract.num_actors, len(samples)))
-    actor_cls = ray.remote(
-        num_gpus=cfg.extract.num_gpus_per_actor or 0, num_cpus=cfg.extract.num_cpus_per_actor, max_restarts=2
-    )(DistillActor)
-    actors = [actor_cls.remote(cfg.target, cfg.extract.batch_tokens, cfg.generate.batch_size) for _ in range(n)]
     parts = [out / f"conversations.part-{i:03d}.jsonl" for i in range(n)]
-    say(f"[generate] {len(samples)} samples on {n} engine actor(s), {len(rejects)} rejected"
+    regenerate = cfg.generate.after_tools == "regenerate"
+    taken = 0
+    if cfg.generate.answers:
+        # The dtype the answers are written in, not the word: "auto" is bf16 on a GPU, fp32 on a CPU.
+        settings = {**answer_settings(cfg), "target.dtype": loaded_dtype(cfg)}
+        taken = reuse_answers(cfg.generate.answers, settings, samples, copies, regenerate, parts)
+        if taken:
+            say(f"[generate] {taken} answers taken from {cfg.generate.answers}, written earlier by this target "
+                "under these settings (generate.answers=null writes them here)")
+    shares = [n_synthetic // n + (i < n_synthetic % n) for i in range(n)]
+    synthetic_parts = [out / f"synthetic.part-{i:03d}.jsonl" for i in range(n)]
+    # An actor whose part file holds every record it would write has nothing to do: not started.
+    busy = [i for i in range(n) if shares[i] or not _nothing_to_write(samples[i::n], parts[i], copies, regenerate)]
+    say(f"[generate] {len(samples)} samples " + (f"on {len(busy)} engine actor(s)" if busy else "answered already")
+        + f", {len(rejects)} rejected"
         + (f" + {n_synthetic} requests the target writes itself" if n_synthetic else "")
         + (f"; {copies} answers per prompt (copies 1-{copies - 1} sampled at temperature "
            f"{cfg.generate.sample_temperature})" if copies > 1 else ""))
-    shares = [n_synthetic // n + (i < n_synthetic % n) for i in range(n)]
-    synthetic_parts = [out / f"synthetic.part-{i:03d}.jsonl" for i in range(n)]
-    results = ray.get(
-        [a.run.remote(samples[i::n], str(parts[i]), cfg.generate, cfg.data.max_length,
-                      SyntheticShare(shares[i], str(synthetic_parts[i]), i))
-         for i, a in enumerate(actors)]
-    )
-    for a in actors:
+    actor_cls = ray.remote(
+        num_gpus=cfg.extract.num_gpus_per_actor or 0, num_cpus=cfg.extract.num_cpus_per_actor, max_restarts=2
+    )(DistillActor)
+    actors = {i: actor_cls.remote(cfg.target, cfg.extract.batch_tokens, cfg.generate.batch_size) for i in busy}
+    running = {i: a.run.remote(samples[i::n], str(parts[i]), cfg.generate, cfg.data.max_length,
+                               SyntheticShare(shares[i], str(synthetic_parts[i]), i))
+               for i, a in actors.items()}
+    done = dict(zip(running, ray.get(list(running.values()))))
+    results = [done[i] if i in done else _written_earlier(samples[i::n], copies, regenerate) for i in range(n)]
+    for a in actors.values():
         ray.kill(a)
     too_long = [r for res in results for r in res.pop("rejected", [])]
     if too_long:
@@ -307,7 +426,7 @@ def run_generate(cfg: PipelineConfig, data: str | None, out: str | Path) -> Path
     write_summary(
         out,
         {"conversations": count, "samples_per_prompt": copies, "conversations_per_copy": per_copy,
-         "synthetic_prompts": synthetic,
+         "synthetic_prompts": synthetic, "answers_taken": taken,
          "rejected": len(rejects) + len(too_long), "parts": results,
          "seconds": round(time.monotonic() - t0, 2), "output": str(joined)},
     )
