@@ -80,6 +80,8 @@ def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
         full["train"].pop("context_parallel")
     if full["train"]["warmup_ratio"] is None:  # unset: the hash of runs before the option
         full["train"].pop("warmup_ratio")
+    if full["train"]["lm_head_init"] == "random":  # the default: the hash of runs before the option
+        full["train"].pop("lm_head_init")
     if full["train"]["keep_best"] == "held_out_tau":  # the default: the hash of runs before the option (none:
         full["train"].pop("keep_best")                # export takes another checkpoint)
     # The bench's engine options, where they change nothing: the hash of runs before them.

@@ -244,6 +244,27 @@ def test_vocab_map_and_draft_to_target(drafter):
         drafter.set_vocab_map(torch.zeros(90, dtype=torch.int64), t2d)
 
 
+def test_lm_head_init_from_target_reads_a_state_as_the_target_does(drafter):
+    """train.lm_head_init=target: row i is the target's row of token i + d2t[i], so over the draft
+    vocabulary the drafter's head ranks a (normed) state's tokens exactly as the target's head does."""
+    target_ids = torch.tensor(sorted(torch.randperm(512, generator=torch.Generator().manual_seed(3))[:100].tolist()))
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[target_ids] = True
+    drafter.set_vocab_map(target_ids - torch.arange(100), t2d)
+    head = torch.randn(512, 64, generator=torch.Generator().manual_seed(4))
+    drafter.init_lm_head_from_target(head)
+    assert torch.equal(drafter.lm_head.weight, head[target_ids])
+    with torch.no_grad():
+        drafter.norm.weight.fill_(1.0)
+    h = torch.randn(7, 64)
+    draft_best = drafter.draft_to_target(drafter.logits(h).argmax(-1))
+    target_logits = h @ head.T
+    target_logits[:, ~t2d] = float("-inf")
+    assert torch.equal(draft_best, target_logits.argmax(-1))
+    with pytest.raises(ConfigError, match="lm_head_init=random"):
+        drafter.init_lm_head_from_target(torch.randn(512, 32))
+
+
 def test_bf16_cast_keeps_buffers_and_rope_exact(drafter):
     d = drafter.to(torch.bfloat16)
     assert d.d2t.dtype == torch.int64 and d.t2d.dtype == torch.bool and d.rotary.inv_freq.dtype == torch.float32

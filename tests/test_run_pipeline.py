@@ -137,6 +137,7 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     del full["train"]["context_parallel"]  # 1 (off): as before the option
     del full["train"]["warmup_ratio"]  # unset: as before the option
     del full["train"]["keep_best"]  # held_out_tau (the default): as before the option
+    del full["train"]["lm_head_init"]  # random (the default): as before the option
     del full["train"]["trackers"], full["train"]["tracking"]  # where metrics go, not what a stage writes: never hashed
     del full["target"]["sglang"]["max_concurrent_calls"]  # how SGLang is called, likewise
     del full["bench"]["engine"], full["bench"]["concurrency"]  # auto on an HF target: as before the options
@@ -170,7 +171,11 @@ def test_stage_hashes_of_one_answer_per_prompt_match_runs_made_before_copies():
     taking = load_config("configs/ci-tiny.yaml", ["generate.answers=builtin:demo_answers",
                                                   "bench.reference={record: r.json, text: t}"])
     latest = load_config("configs/ci-tiny.yaml", ["train.keep_best=none"])
+    headed = load_config("configs/ci-tiny.yaml", ["train.lm_head_init=target"])
     for stage in STAGE_DEPS:
+        # another drafter at step 0: training and what follows it are redone
+        assert (_stage_hash(headed, stage, "d") == _stage_hash(cfg, stage, "d")) == (stage not in
+                                                                                     ("train", "export", "bench"))
         assert _stage_hash(tracked, stage, "d") == _stage_hash(cfg, stage, "d"), stage
         assert _stage_hash(taking, stage, "d") == _stage_hash(cfg, stage, "d"), stage
         # another checkpoint kept and exported: training and what follows it are redone

@@ -77,6 +77,29 @@ def test_the_train_job_reaches_the_workers_typed(ci_tiny_inputs, tmp_path):
         back.train.grad_accum = 0  # still validated on the worker side
 
 
+def test_lm_head_init_target_starts_the_drafter_on_the_targets_rows(ci_tiny_inputs, tmp_path):
+    """train.lm_head_init=target: the workers' drafter starts with the target's lm_head rows of the
+    draft vocabulary (the vocab map's order); random keeps the seeded init; with init_from it is refused."""
+    from eagle3_ray.engines.heads import load_target_heads
+    from eagle3_ray.errors import ConfigError
+    from eagle3_ray.train.loop import build_drafter
+    from eagle3_ray.train.trainer import plan_training, train_job
+
+    drafters = {}
+    for init in ("random", "target"):
+        cfg = load_config(CI_CONFIG, [f"train.lm_head_init={init}"])
+        train_plan, _ = plan_training(cfg, ci_tiny_inputs / "features", ci_tiny_inputs / "vocab", tmp_path / init)
+        job = train_job(cfg, train_plan, tmp_path / init, use_gpu=False, storage=tmp_path / init / "ray_train")
+        drafters[init], _ = build_drafter(job, torch.device("cpu"))
+    _, head = load_target_heads(job.heads_path)
+    rows = drafters["target"].draft_to_target(torch.arange(drafters["target"].config.draft_vocab_size))
+    assert torch.equal(drafters["target"].lm_head.weight, head[rows].float())
+    assert not torch.equal(drafters["random"].lm_head.weight, drafters["target"].lm_head.weight)
+    assert torch.equal(drafters["random"].fc.weight, drafters["target"].fc.weight)  # nothing else moves
+    with pytest.raises(ConfigError, match="leave lm_head_init at random"):
+        load_config(CI_CONFIG, ["train.lm_head_init=target", f"train.init_from={tmp_path}"])
+
+
 def test_holdout_by_prompt_keeps_copies_together_and_the_old_split_without_copies():
     """train.val_share holds a prompt's answers (<id>, <id>#s1, ...: generate.samples_per_prompt) out
     together; ids without a copy suffix give exactly the per-sample split of earlier runs (resumed

@@ -147,6 +147,13 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
     max_failures: int = Field(3, ge=0, description="Ray Train FailureConfig.max_failures.")
     init_from: str | None = Field(None, description="Exported drafter dir to finetune (default: from scratch).")
+    lm_head_init: Literal["random", "target"] = Field(
+        "random", description="The drafter's lm_head at step 0: random (the default, EAGLE-3's), or target: the "
+        "target's own lm_head rows of the draft vocabulary (row i = target token i + d2t[i]). The drafter then "
+        "starts out reading its hidden state as the target reads its last one, so only the layer has to learn: "
+        "it pays where training is short (configs/demo-smollm2.yaml; docs/drafter.md). Needs the drafter's "
+        "hidden size to be the target's. Not with init_from, which loads an lm_head."
+    )
     keep_best: Literal["held_out_tau", "none"] = Field(
         "held_out_tau", description="held_out_tau: keep the checkpoint with the best held-out tau (val_tau) beside "
         "the latest; an evaluation that beats the earlier ones is checkpointed at once, and Ray Train keeps the "
@@ -198,6 +205,14 @@ class TrainConfig(Section):
         if not isinstance(k, bool) and not 0 <= k <= self.ttt_steps:
             raise ValueError(f"train.recompute_ttt_steps={k}: give true (every TTT step), false (none), or k from 0 "
                              f"to train.ttt_steps={self.ttt_steps} (the first k steps recomputed)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_lm_head_init(self) -> "TrainConfig":
+        if self.lm_head_init == "target" and self.init_from:
+            raise ValueError(f"train.lm_head_init=target with train.init_from={self.init_from}: the drafter of "
+                             "init_from brings its own lm_head; leave lm_head_init at random to finetune it, or "
+                             "unset init_from")
         return self
 
     @model_validator(mode="after")

@@ -402,6 +402,20 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
 
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """``lm_head`` <- the target's lm_head rows ([V, Ht]) of the draft vocabulary, in draft order (row i
+        is target token ``i + d2t[i]``): call after ``set_vocab_map`` (train.lm_head_init=target)."""
+        v, h = self.config.vocab_size, self.config.hidden_size
+        if tuple(target_lm_head.shape) != (v, h):
+            raise ConfigError(
+                f"train.lm_head_init=target: the target's lm_head is {tuple(target_lm_head.shape)}, the drafter's "
+                f"rows are ({self.config.draft_vocab_size}, {h}) of a {v}-token vocabulary; it needs the drafter's "
+                "hidden size to be the target's (unset train.drafter.hidden_size) or train.lm_head_init=random"
+            )
+        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head[rows.to(target_lm_head.device)].to(self.lm_head.weight))
+
     def bind_embedding(self, embedding: nn.Embedding | torch.Tensor) -> None:
         """Share the target's input embedding ([V, H]) without copying; it stays frozen."""
         weight = embedding.weight if isinstance(embedding, nn.Embedding) else embedding

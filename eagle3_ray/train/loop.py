@@ -83,13 +83,15 @@ def _ds_config(t: TrainConfig, use_gpu: bool) -> dict[str, Any]:
 
 
 def build_drafter(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """The drafter (seeded, vocab map set, `train.init_from` loaded, target embedding bound) on
-    `device`, and the frozen target lm_head in the training dtype."""
+    """The drafter (seeded, vocab map set, `train.lm_head_init` or `train.init_from` applied, target
+    embedding bound) on `device`, and the frozen target lm_head in the training dtype."""
     torch.manual_seed(job.train.seed)
     drafter = Eagle3Drafter(job.drafter_config)
     embed, lm_head = load_target_heads(job.heads_path)
     d2t, t2d, _ = load_vocab_map(job.vocab_path)
     drafter.set_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d))
+    if job.train.lm_head_init == "target":  # before a restored checkpoint, which replaces it
+        drafter.init_lm_head_from_target(lm_head)
     if job.train.init_from:
         drafter.load_state_dict(init_drafter_from(job.train.init_from, job.drafter_config), strict=False)
     dtype = torch.bfloat16 if job.use_gpu else torch.float32
