@@ -169,7 +169,9 @@ case "$STEP" in
   chain) export PYTHONPATH=$PWD:${PYTHONPATH:-}; chain; echo "[peers] chain rc $?" ;;
   tau) cd "$RUN/repo" 2>/dev/null || true; tau ;;
   recipe) cd "$RUN/repo" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && recipe ;;
-  wait) t0=$(date +%s); while [ ! -f "$RUN/${WAIT_FOR:?}" ] && [ $(( $(date +%s) - t0 )) -lt "$BUDGET" ]; do sleep 5; done
+  wait) t0=$(date +%s)  # until the marker, the budget, or the chain's end (which may not write it)
+        while [ ! -f "$RUN/${WAIT_FOR:?}" ] && [ $(( $(date +%s) - t0 )) -lt "$BUDGET" ] &&
+              ! grep -q "chain rc" "$RUN/chain.log" 2>/dev/null; do sleep 5; done
         tail -n 25 "$RUN/chain.log" ;;
   collect) collect ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
