@@ -6,12 +6,7 @@
 set -euo pipefail
 repo=$(pwd)
 scratch=${1:-/tmp/e3-ci-time}
-rm -rf "$scratch" && git clone -q "$repo" "$scratch/clone"
-cd "$scratch/clone"
-python3 -m venv .venv
-# A fresh machine has none of this user's caches either: the SmolLM2 conversion (EAGLE3_RAY_CACHE)
-# and DeepSpeed's CPU communication op, compiled by the first training worker (TORCH_EXTENSIONS_DIR).
-export EAGLE3_RAY_CACHE="$scratch/cache/eagle3_ray" TORCH_EXTENSIONS_DIR="$scratch/cache/torch_extensions"
+source "$repo/benchmarks/fresh_clone.sh"
 start=$(date +%s)
 # make's own timestamps: setup-dev ends where pytest starts (the first line pytest prints)
 set +e

@@ -8,11 +8,7 @@
 set -euo pipefail
 repo=$(pwd)
 scratch=${1:-/tmp/e3-demo-time}
-rm -rf "$scratch" && git clone -q "$repo" "$scratch/clone"
-cd "$scratch/clone"
-python3 -m venv .venv
-# A fresh machine has none of this user's caches either (benchmarks/ci_time.sh says which).
-export EAGLE3_RAY_CACHE="$scratch/cache/eagle3_ray" TORCH_EXTENSIONS_DIR="$scratch/cache/torch_extensions"
+source "$repo/benchmarks/fresh_clone.sh"
 start=$(date +%s)
 set +e
 PATH="$PWD/.venv/bin:$PATH" make demo PYTHON="$PWD/.venv/bin/python" 2>&1 \

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from eagle3_ray.data.chat import render, render_generation_prompt, tokenize_conversation
 from eagle3_ray.data.messages import conversation
 from eagle3_ray.data.sources import Sample
+from test_chat_templates import _masked_runs  # noqa: E402  the same decoding of masked runs
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 TOOLS = [{"type": "function", "function": {
@@ -54,19 +55,6 @@ def _tokenizer(smollm2_dir, template: str | None = None, special: dict | None = 
     if template:
         tok.chat_template = (TEMPLATES / template).read_text(encoding="utf-8")
     return tok
-
-
-def _masked_runs(tok, ids: list[int], mask: list[int]) -> list[str]:
-    runs, current = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            current.append(i)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(r) for r in runs]
 
 
 def _check(tok, sample: Sample, expected: list[str]) -> str:
