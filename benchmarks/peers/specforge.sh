@@ -17,7 +17,8 @@
 #               alone on the GPU, timed, GPU memory sampled; `specforge export --to sglang`
 #             then, at once (speeds not figures): sf-aligned-3ep and sf-default-1ep (its 32,000 vocabulary)
 #             SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1": those SpecForge runs at once, beside ours3 and `recipe`
-#             (tau, not speeds); TAU_IN_CHAIN=1: then `tau` of every drafter, recipe variants included
+#             (tau, not speeds); TAU_IN_CHAIN=1: `tau` of ours (recipe variants included) while SpecForge
+#             trains, then of SpecForge's drafters and the summary of all (tau skips what it measured)
 #             FROM_RECORD=1: data is the record's committed conversations and fixed history (no generation)
 #   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree; TAU_RECIPE=1 TAU_OUT=tau-recipe:
 #             the recipe variants' drafters beside SpecForge's 1-epoch one
@@ -27,8 +28,8 @@
 # Environment: `source benchmarks/device/session.sh env` first (PYTHONPATH, the GGUF).
 #   STEP=start N=4000 bash benchmarks/peers/specforge.sh
 # The second run (tau of the adopted recipe, chain and tree, in one chain; MEM_FRACTION per SGLang engine):
-#   STEP=start FROM_RECORD=1 SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1" TAU_IN_CHAIN=1 MODES_AT_ONCE=1 \
-#     MEM_FRACTION=0.05 VARIANTS="steps100:train.warmup_steps=100,train.warmup_ratio=null b4k:train.batch_tokens=4096" \
+#   STEP=start FROM_RECORD=1 SF_AT_ONCE="aligned-1ep:1:16384" TAU_IN_CHAIN=1 MODES_AT_ONCE=1 MEM_FRACTION=0.05 \
+#     VARIANTS="steps100:train.warmup_steps=100,train.warmup_ratio=null" BUDGET=420 \
 #     bash benchmarks/peers/specforge.sh
 set -uo pipefail
 : "${STEP:?STEP=install|start|chain|recipe|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
@@ -114,13 +115,17 @@ chain() {
     for r in $SF_AT_ONCE; do IFS=: read -r name ep voc <<< "$r"
       sf_run "$name" "$ep" "$voc" > "$RUN/sf-$name.out" 2>&1 & pids+=($!); done
     ours3 && recipe || return 1
+    [ -n "${TAU_IN_CHAIN:-}" ] && sgl_ready && TAU_RECIPE=1 tau  # ours' engines while SpecForge trains
     wait "${pids[@]}"; cat "$RUN"/sf-*.out
   fi
   done_ chain
-  [ -z "${TAU_IN_CHAIN:-}" ] && return 0  # then every drafter's SGLang tau, once SGLang is installed (sgl3)
+  [ -z "${TAU_IN_CHAIN:-}" ] && return 0  # then every drafter's SGLang tau (the engines not yet run), and
+  sgl_ready && TAU_RECIPE=1 tau && done_ tau  # the summary of all of them on the same turns
+}
+sgl_ready() {  # SGLang installed (STEP=sgl3 of session.sh, from another call) and importable
   while [ ! -f /tmp/sgl/.ready ]; do sleep 5; done
-  export PYTHONPATH=/tmp/sgl:$PYTHONPATH SGLANG_IS_FLASHINFER_AVAILABLE=false
-  TAU_RECIPE=1 tau && done_ tau
+  case ":$PYTHONPATH:" in *:/tmp/sgl:*) ;; *) export PYTHONPATH=/tmp/sgl:$PYTHONPATH;; esac
+  export SGLANG_IS_FLASHINFER_AVAILABLE=false
 }
 tau() {
   local args=() d
