@@ -30,6 +30,9 @@
 # The second run (tau of the adopted recipe, chain and tree, in one chain; MEM_FRACTION per SGLang engine):
 #   STEP=start FROM_RECORD=1 SF_AT_ONCE="aligned-1ep:1:16384" TAU_IN_CHAIN=1 MODES_AT_ONCE=1 MEM_FRACTION=0.05 \
 #     VARIANTS="steps100:train.warmup_steps=100,train.warmup_ratio=null" BUDGET=420 \
+#   (record specforge_recipe_h200). SGLang sizes its KV pool as total x MEM_FRACTION less what the GPU already
+#   holds, so engines that start beside others (or beside training) need a fraction above the others' share:
+#   0.05 failed there for one drafter's engines; alone, 0.12 and three engines at once worked (the first run).
 #     bash benchmarks/peers/specforge.sh
 set -uo pipefail
 : "${STEP:?STEP=install|start|chain|recipe|tau|wait|collect}" "${RUN:=/tmp/peers}" "${N:=4000}" "${BUDGET:=540}"
