@@ -64,26 +64,25 @@ UNHASHED = {"train": ("val_cache_bytes", "loss_chunk_tokens", "recompute_ttt_ste
             "target": ("sglang.max_concurrent_calls",), "generate": ("answers",), "bench": ("reference",)}
 
 
+# Options added after runs existed, hashed only when set off their default, so that a run made before
+# an option came resumes with the hash it had: none (empty or unset), off, or the old behaviour.
+# (train.context_parallel on gives other packs; train.keep_best none exports another checkpoint.)
+HASHED_UNLESS_DEFAULT = {
+    "generate": {"synthetic_prompts": 0, "after_tools": "keep"},
+    "train": {"val_groups": {}, "eval_only": [], "context_parallel": 1, "warmup_ratio": None,
+              "lm_head_init": "random", "keep_best": "held_out_tau"},
+}
+
+
 def _stage_hash(cfg: PipelineConfig, stage: str, data: str | None) -> str:
     full = config_to_dict(cfg)
     if full["generate"]["samples_per_prompt"] == 1:  # one answer per prompt: the hash of runs before copies
         full["generate"] = {k: v for k, v in full["generate"].items()
                             if k not in ("samples_per_prompt", "sample_temperature")}
-    if full["generate"]["synthetic_prompts"] == 0:  # none: the hash of runs before the option
-        full["generate"] = {k: v for k, v in full["generate"].items() if k != "synthetic_prompts"}
-    if full["generate"]["after_tools"] == "keep":  # the default: the hash of runs before the option
-        full["generate"] = {k: v for k, v in full["generate"].items() if k != "after_tools"}
-    for key in ("val_groups", "eval_only"):  # none: the hash of runs before the options
-        if not full["train"][key]:
-            full["train"].pop(key)
-    if full["train"]["context_parallel"] == 1:  # off: the hash of runs before the option (on: other packs)
-        full["train"].pop("context_parallel")
-    if full["train"]["warmup_ratio"] is None:  # unset: the hash of runs before the option
-        full["train"].pop("warmup_ratio")
-    if full["train"]["lm_head_init"] == "random":  # the default: the hash of runs before the option
-        full["train"].pop("lm_head_init")
-    if full["train"]["keep_best"] == "held_out_tau":  # the default: the hash of runs before the option (none:
-        full["train"].pop("keep_best")                # export takes another checkpoint)
+    for section, defaults in HASHED_UNLESS_DEFAULT.items():
+        for key, default in defaults.items():
+            if full[section][key] == default:
+                full[section].pop(key)
     # The bench's engine options, where they change nothing: the hash of runs before them.
     unused = {"engine"} if cfg.bench.engine == "auto" else set()
     if cfg.bench.bench_engine(cfg.target.backend) == "hf":
