@@ -11,7 +11,7 @@ PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 
 def test_presets_found():
-    assert {p.stem for p in PRESETS} >= {"ci-tiny", "demo-smollm2", "smollm2-h200", "llama3.1-8b", "kimi-k2.5"}
+    assert {p.stem for p in PRESETS} >= {"ci-tiny", "demo-smollm2", "demo-smollm2-chat", "smollm2-h200", "llama3.1-8b", "kimi-k2.5"}
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
@@ -31,7 +31,8 @@ def test_smollm2_h200_is_a_one_gpu_run():
     assert cfg.train.lr == 1e-3  # the measured choice for a SmolLM2-sized drafter (docs/drafter.md)
 
 
-def test_the_demo_takes_its_shipped_answers_and_cites_its_gpu_record(tmp_path):
+@pytest.mark.parametrize("preset,size", [("demo-smollm2", 240), ("demo-smollm2-chat", 300)])
+def test_the_demo_takes_its_shipped_answers_and_cites_its_gpu_record(tmp_path, preset, size):
     """The demo's generate stage takes the shipped answers only while its answer settings are theirs: a
     preset edit that changes an answer (length, target, seed, ...) needs the answers written again with
     the command their meta names. Its report's opening cites the GPU record with that record's figures."""
@@ -42,14 +43,14 @@ def test_the_demo_takes_its_shipped_answers_and_cites_its_gpu_record(tmp_path):
     from eagle3_ray.data.sources import read_samples
     from eagle3_ray.extract.generate_stage import answer_settings, answers_files, answers_of, loaded_dtype
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo-smollm2.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / f"{preset}.yaml")
     answers, meta_file = answers_files(cfg.generate.answers)
     meta = json.loads(meta_file.read_text())
     settings = {**answer_settings(cfg), "target.dtype": loaded_dtype(cfg)}
     assert {k: meta.get(k) for k in settings} == settings, f"re-run the command of {meta_file}: {meta['command']}"
     prompts = list(read_samples(cfg.data.path))
     earlier = {s.sample_id: s for s in read_samples(str(answers))}
-    assert all(answers_of(p, earlier[p.sample_id]) for p in prompts) and len(earlier) == len(prompts) == 300
+    assert all(answers_of(p, earlier[p.sample_id]) for p in prompts) and len(earlier) == len(prompts) == size
 
     text = reference_sentence(config_to_dict(cfg)["bench"]["reference"], tmp_path)
     record = json.loads((Path(__file__).resolve().parents[1] / cfg.bench.reference.record).read_text())
