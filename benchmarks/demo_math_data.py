@@ -2,7 +2,7 @@
 
     python benchmarks/demo_math_data.py --data ../shared/data --out eagle3_ray/resources
 
-Writes ``demo_math_prompts.jsonl`` (240 train-split questions, ``{"id": "gsm8k-train-<line>", "prompt"}``)
+Writes ``demo_math_prompts.jsonl`` (220 train-split questions, ``{"id": "gsm8k-train-<line>", "prompt"}``)
 and ``demo_math_eval.jsonl`` (16 test-split questions, ``{"question_id": <line>, "category": "math",
 "turns": [question]}``): seeded choices among the questions of at most ``--max-words`` words (short
 prompts: the demo's extraction and training time grow with every prompt token), the text unchanged, in
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--train", type=int, default=240)
+    ap.add_argument("--train", type=int, default=220)
     ap.add_argument("--eval", type=int, default=16)
     ap.add_argument("--max-words", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)

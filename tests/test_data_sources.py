@@ -154,13 +154,13 @@ def test_demo_prompts_are_300_unique_single_turn_prompts():
 
 
 def test_demo_math_sets_are_gsm8k_questions_split_apart():
-    """`make demo`'s workload: 240 GSM8K train questions to answer, 16 GSM8K test questions to bench,
+    """`make demo`'s workload: 220 GSM8K train questions to answer, 16 GSM8K test questions to bench,
     none in both (benchmarks/demo_math_data.py wrote them; GSM8K_LICENSE.md beside them)."""
     items = _read("builtin:demo_math_prompts")
-    assert _rejects(items) == [] and len(items) == 240
+    assert _rejects(items) == [] and len(items) == 220
     assert all(s.needs_generation and len(s.messages) == 1 and s.sample_id.startswith("gsm8k-train-") for s in items)
     train = {s.messages[0]["content"] for s in items}
-    assert len(train) == 240
+    assert len(train) == 220
     evals = _read("builtin:demo_math_eval")
     assert _rejects(evals) == [] and len(evals) == 16 and all(len(s.messages) == 1 for s in evals)
     assert not train & {s.messages[0]["content"] for s in evals}

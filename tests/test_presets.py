@@ -31,7 +31,7 @@ def test_smollm2_h200_is_a_one_gpu_run():
     assert cfg.train.lr == 1e-3  # the measured choice for a SmolLM2-sized drafter (docs/drafter.md)
 
 
-@pytest.mark.parametrize("preset,size", [("demo-smollm2", 240), ("demo-smollm2-chat", 300)])
+@pytest.mark.parametrize("preset,size", [("demo-smollm2", 220), ("demo-smollm2-chat", 300)])
 def test_the_demo_takes_its_shipped_answers_and_cites_its_gpu_record(tmp_path, preset, size):
     """The demo's generate stage takes the shipped answers only while its answer settings are theirs: a
     preset edit that changes an answer (length, target, seed, ...) needs the answers written again with
