@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (HF engine)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tp", type=int, default=1, help="target.tp_size (SGLang)")
+    ap.add_argument("--mem-fraction", type=float, help="target.sglang.mem_fraction_static (SGLang): what the engine "
+                    "may hold of the GPU, less what the GPU already holds; for a run beside others")
+    ap.add_argument("--sglang-kwargs", default="{}", help="target.sglang.extra_engine_kwargs as JSON, e.g. "
+                    "'{\"attention_backend\": \"triton\", \"sampling_backend\": \"pytorch\"}' where flashinfer is absent")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batch-tokens", type=int, default=8192)
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     target = TargetConfig(model=args.target, backend=args.backend, device=args.device, dtype=args.dtype,
-                          tp_size=args.tp)
+                          tp_size=args.tp, sglang={"mem_fraction_static": args.mem_fraction,
+                                                   "extra_engine_kwargs": json.loads(args.sglang_kwargs)})
     extract = ExtractConfig(audit_rows=args.share)
     result = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "commit": commit, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": args.target,

@@ -135,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", action="append", default=[], help="label=exported drafter directory")
     ap.add_argument("--out", required=True)
     ap.add_argument("--modes-at-once", action="store_true", help="start every mode's engines together")
+    ap.add_argument("--mem-step", type=float, default=0.0, help="the k-th engine of a wave gets "
+                    "target.sglang.mem_fraction_static + k x this: SGLang sizes an engine's pool as the total x its "
+                    "fraction less what the GPU already holds, so engines that start after others need a higher one")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--drafter-dir", help=argparse.SUPPRESS)
@@ -145,6 +148,8 @@ def main(argv=None) -> int:
     if a.child:
         return child(a)
     cfg = load_config(a.config, a.overrides)
+    if a.mem_step and cfg.target.sglang.mem_fraction_static is None:
+        raise SystemExit("--mem-step needs target.sglang.mem_fraction_static (the first engine's fraction)")
     if len(cfg.bench.concurrency) != 1:
         raise SystemExit("give one bench.concurrency: every drafter is measured at the same one")
     out = Path(a.out)
@@ -157,6 +162,7 @@ def main(argv=None) -> int:
     waves = [list(cfg.bench.modes)] if a.modes_at_once else [[m] for m in cfg.bench.modes]
     for wave in waves:
         procs = {}
+        k = 0
         for mode in wave:
             for label, d in drafters.items():
                 result = out / f"{label}-{mode}.json"
@@ -165,6 +171,10 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, __file__, "--child", "-c", a.config, "--out", str(out), "--mode", mode,
                        "--drafter-dir", d, "--turns", str(out / "turns.json"), "--result", str(result),
                        *a.overrides]
+                if a.mem_step:
+                    frac = cfg.target.sglang.mem_fraction_static + k * a.mem_step
+                    cmd.append(f"target.sglang.mem_fraction_static={frac:.3f}")
+                k += 1
                 log = open(out / f"{label}-{mode}.log", "w")
                 procs[f"{label}-{mode}"] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         failed = [name for name, p in procs.items() if p.wait() != 0]

@@ -78,8 +78,9 @@ bf16() {
     extract.compact=none || return 1
   done_ bf16
 }
+skipped() { case " ${SKIP:-} " in *" $1 "*) echo "[peers] $1 skipped (SKIP)"; return 0;; esac; return 1; }
 ours3() {
-  is_done ours3 && return 0
+  is_done ours3 || skipped ours3 && return 0
   timed ours3 cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" --out "$RUN/ours3/train" \
     target.model=$GGUF train.epochs=3 || return 1
   cli export --checkpoint "$RUN/ours3/train" --out "$RUN/ours3/drafter" --engine sglang || return 1
@@ -117,31 +118,36 @@ chain() {
     local r name ep voc pids=()
     for r in $SF_AT_ONCE; do IFS=: read -r name ep voc <<< "$r"
       sf_run "$name" "$ep" "$voc" > "$RUN/sf-$name.out" 2>&1 & pids+=($!); done
-    ours3 && recipe || return 1
-    [ -n "${TAU_IN_CHAIN:-}" ] && sgl_ready && TAU_RECIPE=1 tau  # ours' engines while SpecForge trains
+    ours3 && recipe && best3 || return 1
+    [ -n "${TAU_IN_CHAIN:-}" ] && sgl_ready && LABELS=${TAU_WHILE-} TAU_RECIPE=${TAU_WHILE-1} tau  # ours' engines while SpecForge trains
     wait "${pids[@]}"; cat "$RUN"/sf-*.out
   fi
   done_ chain
   [ -z "${TAU_IN_CHAIN:-}" ] && return 0  # then every drafter's SGLang tau (the engines not yet run), and
-  sgl_ready && TAU_RECIPE=1 tau && done_ tau  # the summary of all of them on the same turns
+  sgl_ready && LABELS=${TAU_AFTER-} TAU_RECIPE=${TAU_AFTER-1} tau && done_ tau  # the summary of all of them on the same turns
 }
 sgl_ready() {  # SGLang installed (STEP=sgl3 of session.sh, from another call) and importable
   while [ ! -f /tmp/sgl/.ready ]; do sleep 5; done
   case ":$PYTHONPATH:" in *:/tmp/sgl:*) ;; *) export PYTHONPATH=/tmp/sgl:$PYTHONPATH;; esac
   export SGLANG_IS_FLASHINFER_AVAILABLE=false
 }
-tau() {
+label_dir() {  # a drafter's label -> its directory under $RUN (best, best3: the BEST3 step's pick)
+  local l=$1; [ -f "$RUN/best.name" ] && { l=${l/#best3/recipe-$(cat "$RUN/best.name")-3ep}; l=${l/#best/recipe-$(cat "$RUN/best.name")}; }
+  case $l in ours*) echo "$l:$l/drafter";; sf-*) echo "$l:sf/${l#sf-}/sglang";; recipe-*) echo "$l:recipe/${l#recipe-}/drafter";; esac
+}
+tau() {  # LABELS (names: ours1 ours3 sf-<run> recipe-<variant> best best3) picks the drafters; set and empty:
+  # none but the recipe variants' (TAU_RECIPE=1: all of them)
   local args=() d
-  local labels=${LABELS:-ours1:ours1/drafter ours3:ours3/drafter sf-aligned-1ep:sf/aligned-1ep/sglang
-    sf-aligned-3ep:sf/aligned-3ep/sglang sf-default-1ep:sf/default-1ep/sglang}
-  [ "${TAU_RECIPE:-}" ] && labels="$labels $(cd "$RUN" && for d in recipe/*/drafter; do
+  local labels=${LABELS-ours1 ours3 sf-aligned-1ep sf-aligned-3ep sf-default-1ep}
+  labels=$(for d in $labels; do label_dir "$d"; done)
+  [ "${TAU_RECIPE:-}" = 1 ] && labels="$labels $(cd "$RUN" && for d in recipe/*/drafter; do
     n=${d#recipe/}; printf 'recipe-%s:%s ' "${n%/drafter}" "$d"; done)"
   for d in $labels; do
     [ -f "$RUN/${d#*:}/config.json" ] && args+=(--drafter "${d%%:*}=$RUN/${d#*:}")
   done
   timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py ${MODES_AT_ONCE:+--modes-at-once} -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
     "${args[@]}" --out "$RUN/${TAU_OUT:-tau}" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
-    target.sglang.mem_fraction_static=${MEM_FRACTION:-0.12} bench.max_new_tokens=1024 bench.max_prompts=80 \
+    ${MEM_STEP:+--mem-step $MEM_STEP} target.sglang.mem_fraction_static=${MEM_FRACTION:-0.12} bench.max_new_tokens=1024 bench.max_prompts=80 \
     "bench.concurrency=[$CONCURRENCY]"
 }
 recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: name:override,override ...), each
@@ -151,10 +157,24 @@ recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: n
     name=${v%%:*}; over=${v#*:}
     is_done "recipe-$name" && continue
     timed "recipe-$name" cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" \
-      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${over//,/ } || return 1
+      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${over//,/ } || return 1  # later k=v win
     cli export --checkpoint "$RUN/recipe/$name/train" --out "$RUN/recipe/$name/drafter" --engine sglang || return 1
     done_ "recipe-$name"
   done
+}
+best3() {  # BEST3=1: the recipe variant with the best 1-epoch held-out tau, trained 3 epochs as <name>-3ep
+  [ -z "${BEST3:-}" ] && return 0
+  local best; best=$(python3 - "$RUN" <<'PY'
+import json, sys
+from pathlib import Path
+runs = {p.parts[-3]: json.loads(p.read_text())["best"]["val_tau"]
+        for p in Path(sys.argv[1]).glob("recipe/*/train/summary.json") if not p.parts[-3].endswith("-3ep")}
+print(max(runs, key=runs.get)); print(runs, file=sys.stderr)
+PY
+) || return 1
+  echo "$best" > "$RUN/best.name"; echo "[peers] best 1-epoch variant: $best"
+  local over; for v in ${VARIANTS:-}; do [ "${v%%:*}" = "$best" ] && over=${v#*:}; done
+  VARIANTS="$best-3ep:${over:+$over,}train.epochs=3" recipe
 }
 collect() {
   (cd "$RUN" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.yaml' -o -name '*.out' \
