@@ -19,6 +19,8 @@
 #             SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1": those SpecForge runs at once, beside ours3 and `recipe`
 #             (tau, not speeds); TAU_IN_CHAIN=1: `tau` of ours (recipe variants included) while SpecForge
 #             trains, then of SpecForge's drafters and the summary of all (tau skips what it measured)
+#             NO_SF=1: no SpecForge this run (its figures from an earlier one): ours1, ours3 (unless SKIP), the
+#               recipe variants, BEST3, and with TAU_IN_CHAIN the SGLang tau of TAU_WHILE's drafters
 #             FROM_RECORD=1: data is the record's committed conversations and fixed history (no generation)
 #   tau       SGLang tau of every drafter exported so far (sglang_tau.py), chain and tree; TAU_RECIPE=1 TAU_OUT=tau-recipe:
 #             the recipe variants' drafters beside SpecForge's 1-epoch one
@@ -106,6 +108,13 @@ sf_run() {  # <name> <epochs> [draft vocab]: SpecForge's training, then its SGLa
   done_ "sf-$name"
 }
 chain() {
+  if [ -n "${NO_SF:-}" ]; then  # ours alone (SpecForge's figures from an earlier run): variants, BEST3, their tau
+    data && ours1 && ours3 && recipe && best3 || return 1
+    done_ chain
+    [ -z "${TAU_IN_CHAIN:-}" ] && return 0
+    sgl_ready && LABELS=${TAU_WHILE-} TAU_RECIPE=${TAU_WHILE-1} tau && done_ tau
+    return
+  fi
   data && ours1 && bf16 && sfin || return 1
   [ -n "${NO_SPECFORGE:-}" ] && return 0  # the CPU smoke: SpecForge's trainer needs a GPU (FSDP, Triton)
   while [ ! -f /tmp/sf/.ready ]; do sleep 5; done  # STEP=install, from another call
@@ -167,7 +176,9 @@ best3() {  # BEST3=1: the recipe variant with the best 1-epoch held-out tau, tra
   local best; best=$(python3 - "$RUN" <<'PY'
 import json, sys
 from pathlib import Path
-runs = {p.parts[-3]: json.loads(p.read_text())["best"]["val_tau"]
+def tau(s):  # the best held-out tau; a run without held-out samples (the CPU smoke's): its last training tau
+    return (s.get("best") or {}).get("val_tau") or s["metrics"].get("val_tau") or s["metrics"]["tau"]
+runs = {p.parts[-3]: tau(json.loads(p.read_text()))
         for p in Path(sys.argv[1]).glob("recipe/*/train/summary.json") if not p.parts[-3].endswith("-3ep")}
 print(max(runs, key=runs.get)); print(runs, file=sys.stderr)
 PY
