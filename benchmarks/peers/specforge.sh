@@ -154,9 +154,10 @@ tau() {  # LABELS (names: ours1 ours3 sf-<run> recipe-<variant> best best3) pick
   for d in $labels; do
     [ -f "$RUN/${d#*:}/config.json" ] && args+=(--drafter "${d%%:*}=$RUN/${d#*:}")
   done
-  timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py ${MODES_AT_ONCE:+--modes-at-once} -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
+  timeout -k 20 -s INT "$BUDGET" python3 benchmarks/peers/sglang_tau.py ${MODES_AT_ONCE:+--modes-at-once} \
+    ${MEM_STEP:+--mem-step $MEM_STEP} -c $CFG --prompts "$RUN/mt_fixed.jsonl" \
     "${args[@]}" --out "$RUN/${TAU_OUT:-tau}" target.model="$(target_hf)" target.backend=sglang "$SGL_KW" \
-    ${MEM_STEP:+--mem-step $MEM_STEP} target.sglang.mem_fraction_static=${MEM_FRACTION:-0.12} bench.max_new_tokens=1024 bench.max_prompts=80 \
+    target.sglang.mem_fraction_static=${MEM_FRACTION:-0.12} bench.max_new_tokens=1024 bench.max_prompts=80 \
     "bench.concurrency=[$CONCURRENCY]"
 }
 recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: name:override,override ...), each
