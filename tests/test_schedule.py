@@ -25,13 +25,16 @@ def test_a_warmup_ratio_is_the_same_share_of_any_run():
 
 
 def test_the_smollm2_preset_warms_up_a_short_run_briefly():
-    """A short run (87 optimizer steps, the side-by-side run's epoch) reaches its peak rate early and decays;
-    the preset's 5-epoch run keeps the ~100 warmup steps it was measured with."""
+    """A short run (669 optimizer steps, the side-by-side run's epoch in packs of 2,048 tokens) reaches its peak
+    rate early and decays; the preset's 5-epoch run warms up over the ~1.6M tokens it was measured with
+    (100 steps of 16,384 tokens then, ~790 of 2,048 now)."""
     t = load_config("configs/smollm2-h200.yaml").train
-    short = warmup_steps_of(t.warmup_steps, t.warmup_ratio, 87)
-    assert short <= 3
-    assert warmup_cosine(86, short, 87, t.min_lr_ratio) < 0.1
-    assert abs(warmup_steps_of(t.warmup_steps, t.warmup_ratio, 4314) - 100) <= 2
+    assert t.batch_tokens == 2048  # record specforge_packs_h100
+    short = warmup_steps_of(t.warmup_steps, t.warmup_ratio, 669)
+    assert short <= 16
+    assert warmup_cosine(668, short, 669, t.min_lr_ratio) < 0.1
+    warm_tokens = warmup_steps_of(t.warmup_steps, t.warmup_ratio, 4314 * 16384 // t.batch_tokens) * t.batch_tokens
+    assert abs(warm_tokens - 100 * 16384) <= 2 * 16384
 
 
 def test_a_warmup_ratio_of_one_or_more_is_refused():

@@ -19,6 +19,9 @@
 #             SF_AT_ONCE="aligned-1ep:1:16384 default-1ep:1": those SpecForge runs at once, beside ours3 and `recipe`
 #             (tau, not speeds); TAU_IN_CHAIN=1: `tau` of ours (recipe variants included) while SpecForge
 #             trains, then of SpecForge's drafters and the summary of all (tau skips what it measured)
+#             OURS_EXTRA: overrides of every eagle3-ray training here (the runs before 2026-12-08 used the preset's
+#               former packs: OURS_EXTRA="train.batch_tokens=16384 train.eval_every=400 train.checkpoint_every=200
+#               train.log_every=50")
 #             NO_SF=1: no SpecForge this run (its figures from an earlier one): ours1, ours3 (unless SKIP), the
 #               recipe variants, BEST3, and with TAU_IN_CHAIN the SGLang tau of TAU_WHILE's drafters
 #             FROM_RECORD=1: data is the record's committed conversations and fixed history (no generation)
@@ -71,7 +74,7 @@ data() {
 ours1() {
   is_done ours1 && return 0
   timed ours1 cli run -c $CFG --data "$RUN/gen/conversations.jsonl" --out "$RUN/ours1" target.model=$GGUF \
-    generate.samples_per_prompt=1 generate.synthetic_prompts=0 train.epochs=1 --stop-after export || return 1
+    generate.samples_per_prompt=1 generate.synthetic_prompts=0 train.epochs=1 ${OURS_EXTRA:-} --stop-after export || return 1
   done_ ours1
 }
 bf16() {
@@ -84,7 +87,7 @@ skipped() { case " ${SKIP:-} " in *" $1 "*) echo "[peers] $1 skipped (SKIP)"; re
 ours3() {
   is_done ours3 || skipped ours3 && return 0
   timed ours3 cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" --out "$RUN/ours3/train" \
-    target.model=$GGUF train.epochs=3 || return 1
+    target.model=$GGUF train.epochs=3 ${OURS_EXTRA:-} || return 1
   cli export --checkpoint "$RUN/ours3/train" --out "$RUN/ours3/drafter" --engine sglang || return 1
   done_ ours3
 }
@@ -167,7 +170,7 @@ recipe() {  # one epoch of ours per recipe variant on ours1's store (VARIANTS: n
     name=${v%%:*}; over=${v#*:}
     is_done "recipe-$name" && continue
     timed "recipe-$name" cli train -c $CFG --features "$RUN/ours1/features" --vocab "$RUN/ours1/vocab" \
-      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${over//,/ } || return 1  # later k=v win
+      --out "$RUN/recipe/$name/train" target.model=$GGUF train.epochs=1 ${OURS_EXTRA:-} ${over//,/ } || return 1  # later k=v win
     cli export --checkpoint "$RUN/recipe/$name/train" --out "$RUN/recipe/$name/drafter" --engine sglang || return 1
     done_ "recipe-$name"
   done
