@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from eagle3_ray.audit.figures import (
+    AUX_RMS_ROWS,
     MIN_ROWS,
     AuditPolicy,
     SampleAudit,
@@ -160,6 +161,24 @@ def test_audit_sample_counts_assistant_rows_and_greedy_agreement_from_the_engine
     got = audit_sample("s", ids, mask, fig, greedy=True)
     assert (got.rows, got.nll, got.entropy, got.greedy_rows, got.agree) == (3, 9.0, 3.0, 3, 2)
     assert audit_sample("s", ids, mask, fig, greedy=False).greedy_rows == 0
+
+
+def test_the_aux_layers_rms_reads_a_few_audited_rows_a_sample_spread_over_it():
+    """aux_rms is reported, not judged: it reads at most AUX_RMS_ROWS of the audited rows (the host's gather of
+    [rows, 3H] bf16 was most of the audit's cost at the 8B shape), first and last among them, and each layer's
+    mean RMS is still that layer's (here every row of layer k has RMS k + 1)."""
+    n, hidden = 400, 8
+    aux = torch.cat([torch.full((n, hidden), float(k + 1)) for k in range(3)], dim=-1).to(torch.bfloat16)
+    aux[:, :hidden] *= torch.linspace(0.5, 1.5, n)[:, None].to(torch.bfloat16)  # layer 0's RMS varies over rows
+    positions = torch.arange(0, n - 1, 3)  # 133 audited rows
+    fig = RowFigures(positions, torch.ones(len(positions)), torch.ones(len(positions)), torch.zeros(len(positions), dtype=torch.long))
+    got = audit_sample("s", torch.arange(n), torch.ones(n), fig, greedy=False, aux_hidden=aux)
+    assert got.aux_rows == AUX_RMS_ROWS < len(positions)
+    means = [v / got.aux_rows for v in got.aux_rms]
+    assert means[1] == pytest.approx(2.0, rel=1e-2) and means[2] == pytest.approx(3.0, rel=1e-2)
+    assert means[0] == pytest.approx(1.0, rel=0.05)  # evenly spread: the mean of 0.5 .. 1.5
+    few = RowFigures(positions[:5], torch.ones(5), torch.ones(5), torch.zeros(5, dtype=torch.long))
+    assert audit_sample("s", torch.arange(n), torch.ones(n), few, greedy=False, aux_hidden=aux).aux_rows == 5
 
 
 def _record(sid: str, n: int = 6, hidden: int = 8) -> dict:

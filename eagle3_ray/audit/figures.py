@@ -32,6 +32,10 @@ from eagle3_ray.errors import AuditFailed
 
 MIN_ROWS = 32  # a shard's figure is judged over at least this many rows (fewer: reported, not judged)
 SIGMAS = 3.0  # a figure fails when it is past its threshold by this many standard errors
+# aux_rms (reported, not judged) reads at most this many of a sample's audited rows, spread evenly: the
+# host gathers them from the [T, 3H] bf16 capture, which at the Llama-3.1-8B shape and share 0.1 was
+# 200 rows x 12,288 values a 2K-token sample, most of the audit's measured 6.8% (record capture_audit_h100)
+AUX_RMS_ROWS = 16
 
 CAUSES = {
     "unnormed": "last_hidden is not the final norm's output (an aux layer's or the pre-norm state: the aux/last "
@@ -60,7 +64,7 @@ class SampleAudit:
     agree: int = 0  # of those, rows whose argmax is the next token
     norm_rows: int = 0  # rows whose last_hidden was checked against the final norm (every row)
     unnormed: int = 0  # of them, rows that are not the norm's output
-    aux_rows: int = 0  # audited rows whose aux states' RMS is summed in aux_rms
+    aux_rows: int = 0  # audited rows (at most AUX_RMS_ROWS a sample) whose aux states' RMS is summed in aux_rms
     aux_rms: list[float] = field(default_factory=list)  # per aux layer, summed RMS over aux_rows
 
     def value(self, figure: str) -> float | None:
@@ -108,7 +112,10 @@ def audit_sample(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tenso
             out.greedy_rows = out.rows
             out.agree = int((fig.argmax[answer] == ids[nxt][answer]).sum())
         if aux_hidden is not None:
-            aux = aux_hidden[fig.positions.to(aux_hidden.device)].float()  # [n, 3H]
+            pos = fig.positions
+            if pos.numel() > AUX_RMS_ROWS:
+                pos = pos[torch.linspace(0, pos.numel() - 1, AUX_RMS_ROWS).round().long()]
+            aux = aux_hidden[pos.to(aux_hidden.device)].float()  # [n, 3H], n <= AUX_RMS_ROWS
             layers = aux.view(aux.shape[0], 3, -1)
             out.aux_rows = aux.shape[0]
             out.aux_rms = [float(v) for v in layers.pow(2).mean(-1).sqrt().double().sum(0)]
