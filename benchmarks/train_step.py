@@ -12,7 +12,7 @@ One step = `train.step.TrainStep` (the training loop's step: `ttt_forward`, back
 AdamW) on random features of one packed sequence, over the `torch` engine (weights in --dtype,
 `train.step.adamw`) or `deepspeed` (`deepspeed.initialize` with the loop's `_ds_config`: bf16 with fp32
 master weights, the given ZeRO stage, one rank in this process). `--sync-check` counts the host
-synchronisations of one step (CUDA's sync debug mode). Model FLOPs per step (`step_flops`, counted, not
+synchronisations of one step (CUDA's sync debug mode), `--op-count` the operators it dispatches. Model FLOPs per step (`step_flops`, counted, not
 measured): 3x the drafter's forward matmuls per TTT step (forward + backward); attention's QK^T and PV,
 2 x 2 x heads x head_dim FLOPs per (query, key) pair over T/2 causal keys plus step k's k diagonal keys,
 3x; 1x the no-grad target-logit matmuls. What the memory options recompute is not counted, so the MFU
@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="first compare loss and gradients of every mode with "
                     "sdpa's and the torch loss's on a packed batch of 3 samples")
     ap.add_argument("--sync-check", action="store_true", help="count one step's host synchronisations (CUDA)")
+    ap.add_argument("--op-count", action="store_true", help="count the operators one step dispatches (torch.profiler, "
+                    "top-level aten ops, forward and backward): each costs host time, so a small pack's step is "
+                    "bound by their number, on any device")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N", help="then N steps synchronised between "
                     "forward, backward and optimizer step: the mean seconds of each")
     ap.add_argument("--sweep", action="store_true", help="one sample per step at --seq, twice as long, ... up to "
@@ -203,6 +206,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def count_ops(fn) -> dict:
+    """The aten operators one call of ``fn`` dispatches: top-level (not called from another aten op: what
+    the step's Python and autograd issue, one dispatch and, on a GPU, at least one kernel launch each) and
+    all, with the ten most frequent top-level ones."""
+    from collections import Counter
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return {"top_level": len(top), "aten": len(aten), "most_frequent": Counter(e.name for e in top).most_common(10)}
 
 
 def count_syncs(fn) -> tuple[int | None, list[str]]:
@@ -294,6 +310,7 @@ def main(argv=None) -> int:
             step(batch)
         sync()
         syncs, sync_sites = count_syncs(lambda: step(batch)) if a.sync_check else (None, [])
+        ops = count_ops(lambda: step(batch)) if a.op_count else None
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step(batch)
@@ -306,13 +323,16 @@ def main(argv=None) -> int:
              # everything the step holds: weights, optimizer state (and master weights), activations
              "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
              "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else None,
-             "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, "breakdown_seconds": parts}
+             "host_syncs_per_step": syncs, "host_sync_sites": sync_sites, "breakdown_seconds": parts,
+             "ops_per_step": ops}
         mfu = f", MFU {r['mfu']:.1%} of {a.peak_tflops} TFLOP/s" if r["mfu"] is not None else ""
         parts_s = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (parts or {}).items())
         print(f"[{a.engine} {attention} {kernel} T={seq}] {r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s{mfu}, "
               f"peak {r['peak_memory_gib'] or 0:.1f} GiB, host syncs per step {syncs}"
               + (f" (at {', '.join(sync_sites)})" if sync_sites else "")
-              + (f"; synchronised parts: {parts_s}" if parts else ""), flush=True)
+              + (f"; synchronised parts: {parts_s}" if parts else "")
+              + (f"; {ops['top_level']:,} operators dispatched a step ({ops['aten']:,} aten calls in all)" if ops else ""),
+              flush=True)
         return r
 
     if lengths:
