@@ -10,8 +10,9 @@ back by ``read_samples`` and tokenized with the target's chat template; the engi
 ``build_engine(..., audit_share)`` and the figures are the capture actor's (``CaptureAudit``:
 per-sample sums, ``check_aux_layers``) judged by ``AuditPolicy``. Three kinds of text: ``greedy``
 (the target's own greedy answers), ``sampled`` (its answers at temperature 1) and ``human``
-(builtin:ci_tiny's written answers). ``--faults`` (HF engine) repeats them under each switch of
-tests/audit_faults.py and counts the rows that catch it. ``--cost``: the capture's wall time at each
+(builtin:ci_tiny's written answers). ``--faults`` repeats them under each fault and counts the rows that
+catch it: the HF engine's switches of tests/audit_faults.py, or with ``--backend sglang`` the hooks of
+tests/sglang_audit_faults.py, each in an SGLang engine of its own. ``--cost``: the capture's wall time at each
 audit share against share 0; ``--shape H,V,SLICES``: the audit's time per row at that lm_head shape
 (one vocab slice of V/SLICES, as a TP rank computes it) with its FLOPs, for a cost estimate at
 shapes no single device holds.
@@ -105,6 +106,31 @@ def rows_to_catch(fig: dict, policy: AuditPolicy) -> dict:
     return out
 
 
+def sglang_faults(target, args, extract, fingerprint: str, sets: dict) -> dict:
+    """Each fault of tests/sglang_audit_faults.py in an SGLang capture engine of its own (hooks ahead of the
+    capture's), its figures on every set, and the rows that catch it."""
+    from eagle3_ray.engines.describe import describe_target
+    from eagle3_ray.engines.sglang import SGLangEngine
+    from eagle3_ray.engines.sglang_args import import_sglang
+    from eagle3_ray.engines.sglang_modules import sglang_module_paths
+    from eagle3_ray.extract.capture_audit import CaptureAudit
+    from sglang_audit_faults import FAULTS, faulty_factory
+
+    info = describe_target(target)
+    paths = sglang_module_paths(info.architectures, target.sglang.extra_engine_kwargs)
+    out = {}
+    for name in FAULTS:
+        factory = faulty_factory(name, paths, info.num_layers, import_sglang().Engine)
+        engine = SGLangEngine(target, audit_share=args.share, engine_factory=factory)
+        try:
+            audit = CaptureAudit(engine, target, extract, fingerprint)
+            out[name] = {k: figures(engine, audit, v) for k, v in sets.items()}
+        finally:
+            engine.close()
+        log(f"sglang {name}: {json.dumps(out[name])}")
+    return out
+
+
 def time_capture(engine, audit, seqs, shares: list[float], repeats: int) -> dict[float, float]:
     """Per audit share, the best wall time of capturing ``seqs`` and summing the capture actor's audit
     of them (share 0: the capture and the final-norm check, which runs at every share). The shares
@@ -164,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--share", type=float, default=1.0, help="extract.audit_rows of the figure runs")
     ap.add_argument("--sets", default="greedy,sampled,human", help="comma list of greedy,sampled,human; none")
-    ap.add_argument("--faults", action="store_true", help="repeat under each fault of tests/audit_faults.py (HF)")
+    ap.add_argument("--faults", action="store_true", help="repeat under each fault: tests/audit_faults.py (HF), "
+                    "tests/sglang_audit_faults.py (SGLang: an engine per fault)")
     ap.add_argument("--cost", default="", help="comma list of audit shares to time the capture at (HF)")
     ap.add_argument("--cost-seqs", default="8x2048", metavar="NxT",
                     help="--cost without --sets: N random sequences of T tokens")
@@ -202,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         audit = CaptureAudit(engine, target, extract, fingerprint)  # checks the aux layers first
         result["healthy"] = {k: figures(engine, audit, v) for k, v in sets.items()}
         log(f"healthy: {json.dumps(result['healthy'])}")
-        if args.faults:
+        if args.faults and args.backend == "sglang":
+            engine.close()  # one engine at a time on the GPU: each fault starts its own
+            result["faults"] = sglang_faults(target, args, extract, fingerprint, sets)
+            engine = build_engine(target, batch_tokens=args.batch_tokens, audit_share=args.share)  # for --cost
+        elif args.faults:
             result["faults"] = {}
             for name, switch in FAULTS.items():
                 with switch(engine):

@@ -2,7 +2,8 @@
 # The capture audit on one lent GPU (issue 61), after `source benchmarks/device/session.sh env` on a machine
 # that ran gg1/gg2 (the GGUF) and, for the SGLang part, sgl1-3:
 #   PART=hf      the real SmolLM2 through the HF engine on the GPU: healthy figures and every fault
-#   PART=sglang  the same target through SGLang 0.5.17 (healthy figures; the faults are switches of the HF engine)
+#   PART=sglang  the same target through SGLang 0.5.17: healthy figures, then FAULTS=1 each fault of
+#                tests/sglang_audit_faults.py in an engine of its own (a few minutes more)
 #   PART=cost    the audit's cost against the capture at the 8B shape (a random-weight Llama-3.1-8B) and its
 #                lm_head math at the Kimi-K2.5 shape (one TP rank's vocab slice of 8, and the whole vocab)
 # MEM_FRACTION: the SGLang engine's share of the GPU (beside other work). Results: $OUT/capture_audit_*.json
@@ -15,7 +16,7 @@ case "$PART" in
   hf) python3 benchmarks/capture_audit.py --target "$(tgt)" --device cuda --faults --prompts 32 --max-new-tokens 128 \
         --out "$OUT/capture_audit_smollm2_hf_gpu.json" ;;
   sglang) python3 benchmarks/capture_audit.py --target "$(tgt)" --backend sglang --device cuda --prompts 32 \
-        --max-new-tokens 128 --mem-fraction "$MEM_FRACTION" \
+        --max-new-tokens 128 --mem-fraction "$MEM_FRACTION" ${FAULTS:+--faults} \
         --sglang-kwargs '{"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none"}' \
         --out "$OUT/capture_audit_smollm2_sglang_gpu.json" ;;
   cost) python3 benchmarks/capture_audit.py --target random:builtin:llama3.1-8b-shape --device cuda --sets none \
