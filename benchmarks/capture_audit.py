@@ -116,6 +116,9 @@ def sglang_faults(target, args, extract, fingerprint: str, sets: dict) -> dict:
     from eagle3_ray.extract.capture_audit import CaptureAudit
     from sglang_audit_faults import FAULTS, faulty_factory
 
+    # the schedulers import sglang_audit_faults by name: a spawned process gets this sys.path, and the
+    # environment's PYTHONPATH covers a start method that does not pass it on
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
     info = describe_target(target)
     paths = sglang_module_paths(info.architectures, target.sglang.extra_engine_kwargs)
     out = {}
