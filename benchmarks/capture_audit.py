@@ -232,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         audit = CaptureAudit(engine, target, extract, fingerprint)  # checks the aux layers first
         result["healthy"] = {k: figures(engine, audit, v) for k, v in sets.items()}
         log(f"healthy: {json.dumps(result['healthy'])}")
-        if args.faults and args.backend == "sglang":
-            engine.close()  # one engine at a time on the GPU: each fault starts its own
-            result["faults"] = sglang_faults(target, args, extract, fingerprint, sets)
-            engine = build_engine(target, batch_tokens=args.batch_tokens, audit_share=args.share)  # for --cost
-        elif args.faults:
+        if args.faults and args.backend == "hf":
             result["faults"] = {}
             for name, switch in FAULTS.items():
                 with switch(engine):
@@ -264,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["cost"][f"overhead_share_{share:g}"] = round(best[share] / best[0.0] - 1.0, 4)
             log(f"cost: {result['cost']}")
         engine.close()
+    if args.faults and args.backend == "sglang" and sets:  # after the healthy engine: one engine at a time
+        result["faults"] = sglang_faults(target, args, extract, fingerprint, sets)
     if args.shape:
         result["shape"] = [shape_cost(s, args.shape_rows, args.device, args.repeats) for s in args.shape]
         log(f"shape: {result['shape']}")

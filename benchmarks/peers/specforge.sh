@@ -115,7 +115,7 @@ chain() {
     data && ours1 && ours3 && recipe && best3 || return 1
     done_ chain
     [ -z "${TAU_IN_CHAIN:-}" ] && return 0
-    sgl_ready && LABELS=${TAU_WHILE-} TAU_RECIPE=${TAU_WHILE-1} tau && done_ tau
+    sgl_ready && tau_pick TAU_WHILE && done_ tau
     return
   fi
   data && ours1 && bf16 && sfin || return 1
@@ -131,12 +131,12 @@ chain() {
     for r in $SF_AT_ONCE; do IFS=: read -r name ep voc <<< "$r"
       sf_run "$name" "$ep" "$voc" > "$RUN/sf-$name.out" 2>&1 & pids+=($!); done
     ours3 && recipe && best3 || return 1
-    [ -n "${TAU_IN_CHAIN:-}" ] && sgl_ready && LABELS=${TAU_WHILE-} TAU_RECIPE=${TAU_WHILE-1} tau  # ours' engines while SpecForge trains
+    [ -n "${TAU_IN_CHAIN:-}" ] && sgl_ready && tau_pick TAU_WHILE  # ours' engines while SpecForge trains
     wait "${pids[@]}"; cat "$RUN"/sf-*.out
   fi
   done_ chain
   [ -z "${TAU_IN_CHAIN:-}" ] && return 0  # then every drafter's SGLang tau (the engines not yet run), and
-  sgl_ready && LABELS=${TAU_AFTER-} TAU_RECIPE=${TAU_AFTER-1} tau && done_ tau  # the summary of all of them on the same turns
+  sgl_ready && tau_pick TAU_AFTER && done_ tau  # the summary of all of them on the same turns
 }
 sgl_ready() {  # SGLang installed (STEP=sgl3 of session.sh, from another call) and importable
   while [ ! -f /tmp/sgl/.ready ]; do sleep 5; done
@@ -147,8 +147,12 @@ label_dir() {  # a drafter's label -> its directory under $RUN (best, best3: the
   local l=$1; [ -f "$RUN/best.name" ] && { l=${l/#best3/recipe-$(cat "$RUN/best.name")-3ep}; l=${l/#best/recipe-$(cat "$RUN/best.name")}; }
   case $l in ours*) echo "$l:$l/drafter";; sf-*) echo "$l:sf/${l#sf-}/sglang";; recipe-*) echo "$l:recipe/${l#recipe-}/drafter";; esac
 }
-tau() {  # LABELS (names: ours1 ours3 sf-<run> recipe-<variant> best best3) picks the drafters; set and empty:
-  # none but the recipe variants' (TAU_RECIPE=1: all of them)
+tau_pick() {  # <variable>: the tau of the drafters it names when it is set (TAU_WHILE, TAU_AFTER), else of
+  # every drafter and recipe variant (the runs before those variables)
+  if [ -n "${!1+x}" ]; then LABELS=${!1} TAU_RECIPE= tau; else TAU_RECIPE=1 tau; fi
+}
+tau() {  # LABELS (names: ours1 ours3 sf-<run> recipe-<variant> best best3) picks the drafters (unset: the default
+  # list below); TAU_RECIPE=1 adds every recipe variant
   local args=() d
   local labels=${LABELS-ours1 ours3 sf-aligned-1ep sf-aligned-3ep sf-default-1ep}
   labels=$(for d in $labels; do label_dir "$d"; done)

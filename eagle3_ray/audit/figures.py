@@ -34,7 +34,8 @@ MIN_ROWS = 32  # a shard's figure is judged over at least this many rows (fewer:
 SIGMAS = 3.0  # a figure fails when it is past its threshold by this many standard errors
 # aux_rms (reported, not judged) reads at most this many of a sample's audited rows, spread evenly: the
 # host gathers them from the [T, 3H] bf16 capture, which at the Llama-3.1-8B shape and share 0.1 was
-# 200 rows x 12,288 values a 2K-token sample, most of the audit's measured 6.8% (record capture_audit_h100)
+# 200 rows x 12,288 values a 2K-token sample: likely most of the audit's 6.8% measured there
+# (record capture_audit_h100; not profiled on that machine)
 AUX_RMS_ROWS = 16
 
 CAUSES = {
